@@ -1,0 +1,187 @@
+"""Quantize-and-pack of full pages: keys per channel with a channel-wise precision boost, values per token.
+
+Both sides share one rounding recipe so the Triton kernels equal their references bit for bit:
+    scale = fp16((max - min) / levels), zero = fp16(min)        (divisions IEEE-rounded)
+    code  = clamp(floor((x - zero) / scale + 0.5), 0, levels)   (scale 0 -> code 0: a constant channel)
+with levels = 3 (2 bits) or 15 (4 bits). Inputs are (N, H, G, D): N pages of G tokens, H KV heads.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import NO_BOOST, SCALE_DTYPE, pack_2bit
+
+
+# ---------------------------------------------------------------------------------------------- boost choice
+def choose_boost(x: torch.Tensor, n_boost: int, selection: str = "magnitude",
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the boosted channels of each (page, head): the top n_boost by mean |k| over the page (Eq. 2),
+    or n_boost random ones. Returns (idx (N, H, D) uint8: row in the high plane or NO_BOOST, magnitudes (N, H, D)).
+    Rows follow channel order, so a page's high plane lists its boosted channels from low to high."""
+    n, h, _, d = x.shape
+    magnitudes = x.float().abs().mean(dim=2)
+    idx = torch.full((n, h, d), NO_BOOST, dtype=torch.uint8, device=x.device)
+    if n_boost == 0:
+        return idx, magnitudes
+    if n_boost == d:
+        idx[:] = torch.arange(d, dtype=torch.uint8, device=x.device)
+        return idx, magnitudes
+    if selection == "magnitude":
+        score = magnitudes
+    else:
+        score = torch.rand((n, h, d), generator=generator, device=generator.device if generator else "cpu")
+        score = score.to(x.device)
+    chosen = score.topk(n_boost, dim=-1).indices.sort(dim=-1).values
+    rows = torch.arange(n_boost, dtype=torch.uint8, device=x.device).expand(n, h, n_boost)
+    idx.scatter_(-1, chosen, rows)
+    return idx, magnitudes
+
+
+# ---------------------------------------------------------------------------------------------- references
+def _codes(x32: torch.Tensor, dim: int, levels: torch.Tensor):
+    mn = x32.amin(dim, keepdim=True)
+    mx = x32.amax(dim, keepdim=True)
+    scale = ((mx - mn) / levels).to(SCALE_DTYPE)
+    zero = mn.to(SCALE_DTYPE)
+    s, z = scale.float(), zero.float()
+    code = torch.floor((x32 - z) / torch.where(s > 0, s, torch.ones_like(s)) + 0.5)
+    code = torch.minimum(code.clamp_min(0), levels).to(torch.int32)
+    return code, scale.squeeze(dim), zero.squeeze(dim)
+
+
+def quantize_keys_ref(x: torch.Tensor, idx: torch.Tensor, n_boost: int):
+    """x (N, H, G, D), idx (N, H, D) -> low (N, H, D, G/4), high (N, H, NB, G/4), scale, zero (N, H, D)."""
+    n, h, g, d = x.shape
+    xt = x.float().transpose(2, 3)                                   # (N, H, D, G): per-channel rows
+    boosted = idx.to(torch.int32) < n_boost
+    levels = torch.where(boosted, 15.0, 3.0).unsqueeze(-1)
+    code, scale, zero = _codes(xt, -1, levels)
+    low = pack_2bit(code & 3)
+    high = torch.zeros((n, h, n_boost, g // 4), dtype=torch.uint8, device=x.device)
+    if n_boost:
+        rows = idx.long().clamp(max=n_boost - 1)                     # non-boosted rows are masked out below
+        hi = pack_2bit(code >> 2)
+        sel = boosted.nonzero(as_tuple=True)
+        high[sel[0], sel[1], rows[sel]] = hi[sel]
+    return low, high, scale, zero
+
+
+def quantize_values_ref(x: torch.Tensor, bits: int):
+    """x (N, H, G, D) -> low (N, H, G, D/4), high (N, H, G, D/4) or an empty plane for 2 bits, scale, zero (N, H, G)."""
+    levels = torch.tensor(float(2 ** bits - 1), device=x.device)
+    code, scale, zero = _codes(x.float(), -1, levels)
+    low = pack_2bit(code & 3)
+    high = pack_2bit(code >> 2) if bits == 4 else low.new_zeros((*low.shape[:2], 0, low.shape[3]))
+    return low, high, scale, zero
+
+
+# ---------------------------------------------------------------------------------------------- Triton
+@triton.jit
+def _params(mn, mx, levels):
+    """FP16 scale and zero-point of the shared rounding recipe (see module doc)."""
+    return tl.math.div_rn(mx - mn, levels).to(tl.float16), mn.to(tl.float16)
+
+
+@triton.jit
+def _encode(x, mask, scale, zero, levels):
+    """Codes of x for FP16 scale / zero already broadcast against x; 0 where masked."""
+    s = scale.to(tl.float32)
+    code = tl.math.floor(tl.math.div_rn(x - zero.to(tl.float32), tl.where(s > 0, s, 1.0)) + 0.5)
+    code = tl.minimum(tl.maximum(code, 0.0), levels).to(tl.int32)
+    return tl.where(mask, code, 0)
+
+
+@triton.jit
+def _pack4(code, shifts):
+    """(A, B, 4) codes -> (A, B) bytes, element i of the last axis at bits 2i."""
+    return tl.sum((code & 3) << shifts, axis=2).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_keys_kernel(x_ptr, idx_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
+                          G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)                              # one (page, head)
+    d = tl.arange(0, BLOCK_D)
+    j = tl.arange(0, BLOCK_G4)
+    i = tl.arange(0, 4)
+    t = j[:, None] * 4 + i[None, :]                                  # token of (byte j, slot i)
+    dmask = d < D
+    mask = dmask[:, None, None] & (t < G)[None, :, :]
+    x = tl.load(x_ptr + pid * G * D + t[None, :, :] * D + d[:, None, None], mask=mask, other=0.0).to(tl.float32)
+    mn = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=2), axis=1)
+    mx = tl.max(tl.max(tl.where(mask, x, float("-inf")), axis=2), axis=1)
+    idx = tl.load(idx_ptr + pid * D + d, mask=dmask, other=255).to(tl.int32)
+    boosted = idx < NB
+    levels = tl.where(boosted, 15.0, 3.0)
+    scale, zero = _params(mn, mx, levels)
+    code = _encode(x, mask, scale[:, None, None], zero[:, None, None], levels[:, None, None])
+    shifts = (i * 2)[None, None, :]
+    bmask = dmask[:, None] & (j < G // 4)[None, :]
+    tl.store(low_ptr + pid * D * (G // 4) + d[:, None] * (G // 4) + j[None, :], _pack4(code, shifts), mask=bmask)
+    if NB > 0:
+        high = _pack4(code >> 2, shifts)
+        rows = tl.where(boosted, idx, 0)
+        tl.store(high_ptr + pid * NB * (G // 4) + rows[:, None] * (G // 4) + j[None, :], high,
+                 mask=bmask & boosted[:, None])
+    tl.store(scale_ptr + pid * D + d, scale, mask=dmask)
+    tl.store(zero_ptr + pid * D + d, zero, mask=dmask)
+
+
+@triton.jit
+def _quantize_values_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
+                            G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                            BLOCK_G: tl.constexpr, BLOCK_D4: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, BLOCK_G)
+    c = tl.arange(0, BLOCK_D4)
+    i = tl.arange(0, 4)
+    ch = c[:, None] * 4 + i[None, :]                                 # channel of (byte c, slot i)
+    tmask = t < G
+    mask = tmask[:, None, None] & (ch < D)[None, :, :]
+    x = tl.load(x_ptr + pid * G * D + t[:, None, None] * D + ch[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    mn = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=2), axis=1)
+    mx = tl.max(tl.max(tl.where(mask, x, float("-inf")), axis=2), axis=1)
+    levels = 2.0 ** BITS - 1.0
+    scale, zero = _params(mn, mx, levels)
+    code = _encode(x, mask, scale[:, None, None], zero[:, None, None], levels)
+    shifts = (i * 2)[None, None, :]
+    bmask = tmask[:, None] & (c < D // 4)[None, :]
+    offs = pid * G * (D // 4) + t[:, None] * (D // 4) + c[None, :]
+    tl.store(low_ptr + offs, _pack4(code, shifts), mask=bmask)
+    if BITS == 4:
+        tl.store(high_ptr + offs, _pack4(code >> 2, shifts), mask=bmask)
+    tl.store(scale_ptr + pid * G + t, scale, mask=tmask)
+    tl.store(zero_ptr + pid * G + t, zero, mask=tmask)
+
+
+def quantize_keys(x: torch.Tensor, idx: torch.Tensor, n_boost: int):
+    """Triton launch of quantize_keys_ref (same arguments, same results bit for bit)."""
+    n, h, g, d = x.shape
+    x = x.contiguous()
+    low = torch.empty((n, h, d, g // 4), dtype=torch.uint8, device=x.device)
+    high = torch.empty((n, h, n_boost, g // 4), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((n, h, d), dtype=SCALE_DTYPE, device=x.device)
+    zero = torch.empty_like(scale)
+    if n * h:
+        _quantize_keys_kernel[(n * h,)](x, idx.contiguous(), low, high, scale, zero, G=g, D=d, NB=n_boost,
+                                        BLOCK_D=triton.next_power_of_2(d),
+                                        BLOCK_G4=triton.next_power_of_2(g // 4), num_warps=4)
+    return low, high, scale, zero
+
+
+def quantize_values(x: torch.Tensor, bits: int):
+    """Triton launch of quantize_values_ref (same arguments, same results bit for bit)."""
+    n, h, g, d = x.shape
+    x = x.contiguous()
+    low = torch.empty((n, h, g, d // 4), dtype=torch.uint8, device=x.device)
+    high = torch.empty((n, h, g if bits == 4 else 0, d // 4), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((n, h, g), dtype=SCALE_DTYPE, device=x.device)
+    zero = torch.empty_like(scale)
+    if n * h:
+        _quantize_values_kernel[(n * h,)](x, low, high, scale, zero, G=g, D=d, BITS=bits,
+                                          BLOCK_G=triton.next_power_of_2(g),
+                                          BLOCK_D4=triton.next_power_of_2(d // 4), num_warps=4)
+    return low, high, scale, zero

