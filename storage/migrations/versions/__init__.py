@@ -1,0 +1,1 @@
+"""Alembic revision scripts, applied in order of their down_revision chain."""

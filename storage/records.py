@@ -1,0 +1,114 @@
+"""Plain dataclasses that cross the storage boundary.
+
+Callers hand `MethodResult`/`PageStat` in (or plain dicts with the same keys)
+and get frozen dataclasses back; no ORM object or session ever leaves the package.
+The same `MethodResult`/`PageStat` types are used for input and output so a
+stored result compares equal to what was recorded (floats in `magnitudes` are
+stored as float32, so compare those approximately).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+# Metric columns of `method_results`, in CSV order. All nullable.
+METRIC_FIELDS: tuple[str, ...] = (
+    "tokens_per_s",
+    "ttft_s",
+    "total_s",
+    "kv_bytes",
+    "fp16_bytes",
+    "key_bits",
+    "value_bits",
+    "peak_memory_bytes",
+    "agreement",
+)
+
+# Run status derived from its results' errors.
+STATUS_OK = "ok"
+STATUS_PARTIAL = "partial"
+STATUS_FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class PageStat:
+    """Which channels of one KV page (layer, head, page) got boosted precision."""
+
+    layer: int
+    head: int
+    page: int
+    boost_mask: list[bool]  # one flag per channel, length head_dim
+    magnitudes: list[float]  # per-channel mean |k| that chose the mask (float32)
+
+
+@dataclass(frozen=True)
+class MethodResult:
+    """What one cache method produced for a run; `error` is set when it failed."""
+
+    method: str
+    config: dict[str, Any] = field(default_factory=dict)
+    output_text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    n_tokens: int = 0
+    tokens_per_s: float | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+    kv_bytes: int | None = None
+    fp16_bytes: int | None = None
+    key_bits: float | None = None
+    value_bits: float | None = None
+    peak_memory_bytes: int | None = None
+    agreement: float | None = None  # share of tokens identical to the fp16 output
+    metrics: dict[str, Any] = field(default_factory=dict)  # anything without a column
+    error: str | None = None
+    page_stats: list[PageStat] = field(default_factory=list)
+
+    @classmethod
+    def coerce(cls, value: MethodResult | Mapping[str, Any]) -> MethodResult:
+        """Accept a MethodResult or a dict with the same keys (unknown keys raise TypeError)."""
+        if isinstance(value, MethodResult):
+            return value
+        data = dict(value)
+        stats = [s if isinstance(s, PageStat) else PageStat(**s) for s in data.pop("page_stats", None) or []]
+        return cls(**data, page_stats=stats)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """Returned by `record_run`: enough to build the permalink."""
+
+    id: int
+    slug: str
+    created_at: datetime  # timezone-aware, UTC
+    status: str
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One line of the history table."""
+
+    id: int
+    slug: str
+    created_at: datetime  # timezone-aware, UTC
+    model: str
+    prompt: str  # truncated to SUMMARY_PROMPT_CHARS
+    status: str
+    methods: list[str]  # in the order they were recorded
+
+
+@dataclass(frozen=True)
+class RunDetail:
+    """A whole run as reopened from its permalink."""
+
+    id: int
+    slug: str
+    created_at: datetime  # timezone-aware, UTC
+    model: str
+    prompt: str
+    messages: list[dict[str, Any]]
+    settings: dict[str, Any]
+    status: str
+    results: list[MethodResult]

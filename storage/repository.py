@@ -1,0 +1,404 @@
+"""`Database`: the storage API. Every call runs in its own short-lived session
+and returns plain dataclasses from storage.records; every database failure
+surfaces as StorageError."""
+
+from __future__ import annotations
+
+import csv
+import json
+import secrets
+import string
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import datetime, timezone
+from os import PathLike
+from typing import IO, Any
+
+from alembic.util import CommandError
+from sqlalchemy import ColumnElement, Engine, Select, insert, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, selectinload, sessionmaker
+
+from .codec import pack_floats, pack_mask, unpack_floats, unpack_mask
+from .db import (
+    DEFAULT_BUSY_TIMEOUT_MS,
+    WRITE_LOCK_OPTION,
+    StorageError,
+    current_revision,
+    describe,
+    make_engine,
+    mask_url,
+    migrate,
+    resolve_url,
+    sqlite_file,
+)
+from .models import MethodResultRow, PageStatRow, RunRow
+from .records import (
+    METRIC_FIELDS,
+    STATUS_FAILED,
+    STATUS_OK,
+    STATUS_PARTIAL,
+    MethodResult,
+    PageStat,
+    RunDetail,
+    RunRecord,
+    RunSummary,
+)
+
+SUMMARY_PROMPT_CHARS = 200
+SLUG_LENGTH = 10
+# Letters and digits only, so slugs survive copy-paste and URL autolinking.
+# 62**10 ≈ 8e17: a collision is negligible, and would only fail that one
+# record_run with a StorageError (unique constraint), never overwrite a run.
+_SLUG_ALPHABET = string.ascii_letters + string.digits
+
+CSV_COLUMNS: tuple[str, ...] = (
+    "run_id",
+    "slug",
+    "created_at",
+    "model",
+    "status",
+    "prompt",
+    "settings",
+    "method",
+    "config",
+    "n_tokens",
+    *METRIC_FIELDS,
+    "metrics",
+    "error",
+    "output_text",
+)
+
+
+class Database:
+    """One database, from an explicit SQLAlchemy URL or (url=None) the KITTY_DB_* settings.
+
+    Call `init()` once at start-up to create or upgrade the schema.
+    """
+
+    def __init__(self, url: str | None = None, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> None:
+        self.url = resolve_url() if url is None else url
+        self.masked_url = mask_url(self.url)
+        with self._guard("Could not open the database", need_file=False):
+            self._file = sqlite_file(self.url)
+            self._engine = make_engine(self.url, busy_timeout_ms)
+        self._reads = sessionmaker(self._engine, expire_on_commit=False)
+        self._writes = sessionmaker(
+            self._engine.execution_options(**{WRITE_LOCK_OPTION: True}), expire_on_commit=False
+        )
+
+    def __repr__(self) -> str:
+        return f"Database({self.masked_url!r})"
+
+    @property
+    def engine(self) -> Engine:
+        """For migrations tooling and tests; application code should not need it."""
+        return self._engine
+
+    def init(self) -> Database:
+        """Create the SQLite folder if needed and migrate the schema to head. Idempotent."""
+        with self._guard("Could not create or upgrade the schema", need_file=False):
+            if self._file is not None:
+                self._file.parent.mkdir(parents=True, exist_ok=True)
+            migrate(self._engine)
+        return self
+
+    def schema_revision(self) -> str | None:
+        """The Alembic revision the database is at (None before init)."""
+        with self._guard("Could not read the schema version"), self._engine.connect() as connection:
+            return current_revision(connection)
+
+    def close(self) -> None:
+        """Close pooled connections (a later call simply reconnects)."""
+        self._engine.dispose()
+
+    # --- writes -----------------------------------------------------------
+
+    def record_run(
+        self,
+        model: str,
+        prompt: str,
+        messages: Sequence[Mapping[str, Any]],
+        settings: Mapping[str, Any],
+        results: Iterable[MethodResult | Mapping[str, Any]],
+        *,
+        created_at: datetime | None = None,
+    ) -> RunRecord:
+        """Store a run with all its method results and page stats in one transaction.
+
+        `results` items are MethodResult or dicts with its fields (page_stats as
+        PageStat or dicts). A failed method carries `error`; the run's status is
+        "ok", "partial" or "failed" from those errors. `created_at` defaults to
+        now (naive values are taken as UTC). If anything fails, nothing is written.
+        """
+        items = [MethodResult.coerce(result) for result in results]
+        run = RunRow(
+            slug="".join(secrets.choice(_SLUG_ALPHABET) for _ in range(SLUG_LENGTH)),
+            created_at=created_at or datetime.now(timezone.utc),
+            model=model,
+            prompt=prompt,
+            messages=[dict(message) for message in messages],
+            settings=dict(settings),
+            status=_run_status(items),
+            results=[_result_row(item) for item in items],
+        )
+        with self._guard("Could not record the run"), self._writes.begin() as session:
+            session.add(run)
+            session.flush()  # assigns the result ids the page stat rows point to
+            stat_rows = [
+                _page_stat_row(row.id, stat) for row, item in zip(run.results, items) for stat in item.page_stats
+            ]
+            if stat_rows:
+                # Bulk insert: a run can carry tens of thousands of page stats.
+                session.execute(insert(PageStatRow), stat_rows)
+        return RunRecord(id=run.id, slug=run.slug, created_at=_as_utc(run.created_at), status=run.status)
+
+    # --- reads ------------------------------------------------------------
+
+    def list_runs(
+        self,
+        method: str | None = None,
+        model: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[RunSummary]:
+        """Runs newest first. `method`: runs that include that method;
+        `since`/`until`: inclusive bounds on created_at (naive = UTC)."""
+        stmt = _runs_query(method, model, since, until, limit, offset)
+        with self._guard("Could not list runs"), self._reads.begin() as session:
+            runs = session.scalars(stmt).all()
+            methods: dict[int, list[str]] = defaultdict(list)
+            method_rows = session.execute(
+                select(MethodResultRow.run_id, MethodResultRow.method)
+                .where(MethodResultRow.run_id.in_([run.id for run in runs]))
+                .order_by(MethodResultRow.id)
+            )
+            for run_id, name in method_rows:
+                methods[run_id].append(name)
+            return [
+                RunSummary(
+                    id=run.id,
+                    slug=run.slug,
+                    created_at=run.created_at,
+                    model=run.model,
+                    prompt=_truncate(run.prompt, SUMMARY_PROMPT_CHARS),
+                    status=run.status,
+                    methods=methods[run.id],
+                )
+                for run in runs
+            ]
+
+    def get_run(self, slug_or_id: str | int, *, with_page_stats: bool = True) -> RunDetail | None:
+        """A run by permalink slug or numeric id (also as a digit string), or None.
+
+        with_page_stats=False skips the (possibly large) page stats: results then
+        have empty `page_stats`."""
+        loader = selectinload(RunRow.results)
+        if with_page_stats:
+            loader = loader.selectinload(MethodResultRow.page_stats)
+        with self._guard("Could not load the run"), self._reads.begin() as session:
+            run = _find_run(session, slug_or_id, loader)
+            if run is None:
+                return None
+            return RunDetail(
+                id=run.id,
+                slug=run.slug,
+                created_at=run.created_at,
+                model=run.model,
+                prompt=run.prompt,
+                messages=run.messages,
+                settings=run.settings,
+                status=run.status,
+                results=[_result_out(row, with_page_stats) for row in run.results],
+            )
+
+    def distinct_models(self) -> list[str]:
+        with self._guard("Could not list models"), self._reads.begin() as session:
+            return list(session.scalars(select(RunRow.model).distinct().order_by(RunRow.model)))
+
+    def distinct_methods(self) -> list[str]:
+        with self._guard("Could not list methods"), self._reads.begin() as session:
+            return list(session.scalars(select(MethodResultRow.method).distinct().order_by(MethodResultRow.method)))
+
+    def export_csv(
+        self,
+        path_or_file: str | PathLike[str] | IO[str],
+        method: str | None = None,
+        model: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> int:
+        """Write one CSV row per method result (columns: CSV_COLUMNS) and return the row count.
+
+        Filters select runs as in list_runs (no limit by default); `method` also
+        keeps only that method's rows. JSON fields are JSON strings, None is empty,
+        created_at is ISO 8601 UTC. Token ids and the chat history are left out.
+        """
+        run_ids = _runs_query(method, model, since, until, limit, offset).with_only_columns(RunRow.id)
+        stmt = (
+            select(RunRow, MethodResultRow)
+            .join(MethodResultRow, MethodResultRow.run_id == RunRow.id)
+            .where(RunRow.id.in_(run_ids.scalar_subquery()))
+            .order_by(RunRow.created_at.desc(), RunRow.id.desc(), MethodResultRow.id)
+        )
+        if method is not None:
+            stmt = stmt.where(MethodResultRow.method == method)
+        with (
+            self._guard("Could not export runs to CSV"),
+            _open_for_writing(path_or_file) as out,
+            self._reads.begin() as session,
+        ):
+            writer = csv.writer(out)
+            writer.writerow(CSV_COLUMNS)
+            count = 0
+            for run, result in session.execute(stmt):
+                writer.writerow(_csv_row(run, result))
+                count += 1
+            return count
+
+    # --- helpers ----------------------------------------------------------
+
+    @contextmanager
+    def _guard(self, action: str, *, need_file: bool = True) -> Iterator[None]:
+        """Turn any database (or file system) failure into StorageError."""
+        if need_file and self._file is not None and not self._file.exists():
+            # Pooled connections still write to the deleted file's inode, where
+            # data would vanish unseen; drop them and refuse instead.
+            self._engine.dispose()
+            raise StorageError(f"{action}: the database file {self._file} is missing (database: {self.masked_url})")
+        try:
+            yield
+        # ImportError: the URL names a database driver that is not installed.
+        except (SQLAlchemyError, CommandError, OSError, ImportError) as exc:
+            raise StorageError(f"{action}: {describe(exc)} (database: {self.masked_url})") from exc
+
+
+def _run_status(items: Sequence[MethodResult]) -> str:
+    failed = sum(item.error is not None for item in items)
+    if failed == 0:
+        return STATUS_OK
+    return STATUS_FAILED if failed == len(items) else STATUS_PARTIAL
+
+
+def _result_row(item: MethodResult) -> MethodResultRow:
+    return MethodResultRow(
+        method=item.method,
+        config=dict(item.config),
+        output_text=item.output_text,
+        token_ids=[int(token) for token in item.token_ids],
+        n_tokens=item.n_tokens,
+        metrics=dict(item.metrics),
+        error=item.error,
+        **{name: getattr(item, name) for name in METRIC_FIELDS},
+    )
+
+
+def _page_stat_row(result_id: int, stat: PageStat) -> dict[str, Any]:
+    return {
+        "result_id": result_id,
+        "layer": stat.layer,
+        "head": stat.head,
+        "page": stat.page,
+        "head_dim": len(stat.boost_mask),
+        "boost_mask": pack_mask(stat.boost_mask),
+        "magnitudes": pack_floats(stat.magnitudes),
+    }
+
+
+def _result_out(row: MethodResultRow, with_page_stats: bool) -> MethodResult:
+    stats = [
+        PageStat(
+            layer=stat.layer,
+            head=stat.head,
+            page=stat.page,
+            boost_mask=unpack_mask(stat.boost_mask, stat.head_dim),
+            magnitudes=unpack_floats(stat.magnitudes),
+        )
+        for stat in (row.page_stats if with_page_stats else [])
+    ]
+    return MethodResult(
+        method=row.method,
+        config=row.config,
+        output_text=row.output_text,
+        token_ids=row.token_ids,
+        n_tokens=row.n_tokens,
+        metrics=row.metrics,
+        error=row.error,
+        page_stats=stats,
+        **{name: getattr(row, name) for name in METRIC_FIELDS},
+    )
+
+
+def _runs_query(
+    method: str | None,
+    model: str | None,
+    since: datetime | None,
+    until: datetime | None,
+    limit: int | None,
+    offset: int,
+) -> Select[tuple[RunRow]]:
+    conditions: list[ColumnElement[bool]] = []
+    if method is not None:
+        conditions.append(RunRow.results.any(MethodResultRow.method == method))
+    if model is not None:
+        conditions.append(RunRow.model == model)
+    if since is not None:
+        conditions.append(RunRow.created_at >= since)
+    if until is not None:
+        conditions.append(RunRow.created_at <= until)
+    return (
+        select(RunRow)
+        .where(*conditions)
+        .order_by(RunRow.created_at.desc(), RunRow.id.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+
+
+def _find_run(session: Session, key: str | int, loader: Any) -> RunRow | None:
+    query = select(RunRow).options(loader)
+    if isinstance(key, int):
+        return session.scalars(query.where(RunRow.id == key)).one_or_none()
+    run = session.scalars(query.where(RunRow.slug == key)).one_or_none()
+    if run is None and key.isdigit():
+        run = session.scalars(query.where(RunRow.id == int(key))).one_or_none()
+    return run
+
+
+def _csv_row(run: RunRow, result: MethodResultRow) -> list[Any]:
+    return [
+        run.id,
+        run.slug,
+        run.created_at.isoformat(),
+        run.model,
+        run.status,
+        run.prompt,
+        json.dumps(run.settings, sort_keys=True),
+        result.method,
+        json.dumps(result.config, sort_keys=True),
+        result.n_tokens,
+        *(getattr(result, name) for name in METRIC_FIELDS),
+        json.dumps(result.metrics, sort_keys=True),
+        result.error,
+        result.output_text,
+    ]
+
+
+def _open_for_writing(path_or_file: str | PathLike[str] | IO[str]) -> AbstractContextManager[IO[str]]:
+    """Open a path for the csv module; a file object is used as is and left open."""
+    if isinstance(path_or_file, (str, PathLike)):
+        return open(path_or_file, "w", newline="", encoding="utf-8")
+    return nullcontext(path_or_file)
+
+
+def _as_utc(value: datetime) -> datetime:
+    return value.astimezone(timezone.utc) if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
