@@ -1,8 +1,10 @@
-"""Triton kernels of the Kitty cache, each beside the PyTorch reference it must equal."""
-from . import quantize
-from .decode_attention import decode_attention, decode_attention_ref, gather_kv
-from .dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
-from .layout import NO_BOOST, PagedKV
+"""Triton kernels of the Kitty cache, each module holding kernels, launch wrappers and the PyTorch references
+they must equal: layout (page format, bit accounting), quantize, dequantize, decode_attention."""
+import os
 
-__all__ = ["quantize", "decode_attention", "decode_attention_ref", "gather_kv", "dequantize_keys",
-           "dequantize_keys_ref", "dequantize_values", "dequantize_values_ref", "NO_BOOST", "PagedKV"]
+import torch
+
+# Without a GPU, Triton kernels can only run under Triton's interpreter (on CPU tensors). Turn it on before any
+# kernel is defined, so `use_triton=True`, the kernel tests and `bench --quick` work on any machine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

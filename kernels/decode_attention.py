@@ -67,7 +67,7 @@ def _decode_split_kernel(
         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
         ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr,
         po_ptr, pm_ptr, pl_ptr,
-        qk_scale, CK, CV, MP,
+        qk_scale, CK, CV, KMP, VMP,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, NSPLIT: tl.constexpr, DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr):
@@ -112,7 +112,7 @@ def _decode_split_kernel(
         n_valid = tl.where(in_sink, sink_len - blk * G, tl.where(page < nkp, G, length - S - page * G))
         # ---- scores: key page (dequantized in registers) or full-precision keys
         if (page >= 0) & (page < nkp):
-            kpg = tl.load(ktab_ptr + b * MP + page).to(tl.int64) * H + h
+            kpg = tl.load(ktab_ptr + b * KMP + page).to(tl.int64) * H + h
             scale = tl.load(kscale_ptr + kpg * D + d, mask=dmask, other=0.0).to(tl.float32)
             zero = tl.load(kzero_ptr + kpg * D + d, mask=dmask, other=0.0).to(tl.float32)
             bmask = dmask[:, None] & (j < G4)[None, :]
@@ -141,7 +141,7 @@ def _decode_split_kernel(
         m_i = m_new
         # ---- values: value page (dequantized in registers) or full-precision values
         if (page >= 0) & (page < nvp):
-            vpg = tl.load(vtab_ptr + b * MP + page).to(tl.int64) * H + h
+            vpg = tl.load(vtab_ptr + b * VMP + page).to(tl.int64) * H + h
             vscale = tl.load(vscale_ptr + vpg * G + tok, mask=tok < G, other=0.0).to(tl.float32)
             vzero = tl.load(vzero_ptr + vpg * G + tok, mask=tok < G, other=0.0).to(tl.float32)
             offs = vpg * G * D4 + tok[:, None] * D4 + c[None, :]
@@ -217,7 +217,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_idx, kv.k_scale, kv.k_zero,
         kv.v_low, kv.v_high, kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages, kv.n_vpages,
         part_o, part_m, part_l, sm_scale * math.log2(math.e), kv.k_fp.shape[2], kv.v_fp.shape[2],
-        kv.k_table.shape[1],
+        kv.k_table.shape[1], kv.v_table.shape[1],
         H=h, GROUP=group, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, NSPLIT=num_splits,
         DOT=dot_dtype(q.dtype), BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(d),
         BLOCK_G4=max(4, triton.next_power_of_2(g // 4)), num_warps=4)

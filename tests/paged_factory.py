@@ -41,9 +41,9 @@ def random_paged_kv(lengths, heads=2, head_dim=64, sink=32, page_size=64, window
     v_high = torch.randint(0, 256, (total_v, h, g if v_bits == 4 else 0, d // 4), generator=gen, dtype=torch.uint8)
     v_scale = torch.rand(total_v, h, g, generator=gen).half()
     v_zero = torch.rand(total_v, h, g, generator=gen).half()
-    mp = max(1, max(nkp for _, nkp, _ in layouts))
-    k_table = torch.full((bsz, mp), -1, dtype=torch.int32)
-    v_table = torch.full((bsz, mp), -1, dtype=torch.int32)
+    # tables of different widths (as the cache grows them independently), padded with -1
+    k_table = torch.full((bsz, max(1, max(x[1] for x in layouts))), -1, dtype=torch.int32)
+    v_table = torch.full((bsz, max(1, max(x[2] for x in layouts)) + 3), -1, dtype=torch.int32)
     kpos = vpos = 0
     for b, (length, nkp, nvp) in enumerate(layouts):
         sk = min(length, sink)

@@ -10,7 +10,7 @@ import torch
 from conftest import DEVICE
 from paged_factory import random_paged_kv
 
-from kernels import decode_attention, decode_attention_ref, gather_kv
+from kernels.decode_attention import decode_attention, decode_attention_ref, gather_kv
 from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
 from kernels.layout import NO_BOOST, pack_2bit, unpack_2bit
 from kernels.quantize import (choose_boost, quantize_keys, quantize_keys_ref, quantize_values,
