@@ -1,16 +1,15 @@
-"""Shared fixtures. Without a GPU, Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (set here, before
-any kernel module is imported); with one, the same tests run the compiled kernels on CUDA tensors."""
+"""Shared fixtures. Without a GPU, Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (kernels/__init__
+turns it on); with one, the same tests run the compiled kernels on CUDA tensors."""
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")          # nothing in the tests may reach a model hub
+import kernels  # noqa: F401  before anything imports triton (transformers does): enables the interpreter on a CPU
 
-import pytest  # noqa: E402
+os.environ.setdefault("HF_HUB_OFFLINE", "1")          # nothing in the tests may reach a model hub
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -24,7 +23,7 @@ def default_model():
 
 
 def tiny_model(arch: str = "llama", heads: int = 4, kv_heads: int = 2, head_dim: int = 64, layers: int = 2,
-               vocab: int = 256, seed: int = 0, dtype=torch.float32, device: str = "cpu", **extra):
+               vocab: int = 256, seed: int = 0, dtype=torch.float32, device: str = DEVICE, **extra):
     """A random-weight decoder of the given family and attention shape (GQA ratio heads / kv_heads)."""
     import transformers
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
@@ -36,3 +35,13 @@ def tiny_model(arch: str = "llama", heads: int = 4, kv_heads: int = 2, head_dim:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.to(device).eval()
+
+
+REPORT: list[str] = []      # measurements tests want shown in the run's summary (pytest_terminal_summary)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REPORT:
+        terminalreporter.section("Kitty Lab measurements")
+        for line in REPORT:
+            terminalreporter.write_line(line)

@@ -1,0 +1,36 @@
+"""Kitty Lab backend: the methods registry, the KV cache for `model.generate`, model loading.
+
+    from backend import load_model, make_cache, METHODS
+    model, tokenizer = load_model()
+    cache = make_cache(model, "kitty")
+    model.generate(**tokenizer(prompt, return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
+    cache.stats()
+"""
+from __future__ import annotations
+
+import kernels  # noqa: F401  first: on a CPU-only machine it enables Triton's interpreter before triton loads
+
+from .attention import use_kitty_attention
+from .cache import CacheStats, KittyCache, LayerStats
+from .methods import METHODS, PRESETS, CacheConfig, method_config
+from .model import DEFAULT_MODEL, load_model
+
+
+def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool | None = None,
+               record_magnitudes: bool = True, reserve_tokens: int = 0, **settings) -> KittyCache:
+    """A fresh cache for one generation. `method` is a preset name (METHODS), "custom", or a CacheConfig;
+    keyword settings (k_bits, v_bits, sink, page_size, local_window, alpha, selection, seed) override it.
+
+    use_triton: None picks Triton kernels for CUDA tensors and the PyTorch reference otherwise.
+    record_magnitudes: keep each page's channel magnitudes for stats() (diagnostics, not cache bytes).
+    reserve_tokens: set aside page storage for this many tokens per sequence up front, so long GPU runs
+    never reallocate the page pools (by default they grow by exactly the pages needed).
+    Switches `model` to the "kitty" attention function, which is plain SDPA for any other cache."""
+    config = method if isinstance(method, CacheConfig) else method_config(method, **settings)
+    use_kitty_attention(model)
+    return KittyCache(config, model.config, use_triton=use_triton, record_magnitudes=record_magnitudes,
+                      reserve_tokens=reserve_tokens)
+
+
+__all__ = ["load_model", "make_cache", "METHODS", "PRESETS", "CacheConfig", "method_config", "KittyCache",
+           "CacheStats", "LayerStats", "DEFAULT_MODEL"]

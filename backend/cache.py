@@ -1,0 +1,427 @@
+"""The Kitty KV cache as a transformers `Cache`: one `KittyLayer` per attention layer.
+
+Per layer, sequence and KV head (D = head_dim, S = sink, G = page size, R = value window):
+  keys:   [sink: S tokens full precision | key pages of G tokens | key Q-buffer < G tokens full precision]
+  values: [sink | value pages of G tokens | value tail: Q-buffer + local window of R, full precision]
+Full-precision parts live in `k_fp` / `v_fp` (B, H, capacity, D): the sink at [0, S), the key Q-buffer or the
+value tail from S on. 16-bit keys or values never fill a page: their tail simply grows.
+
+Work per step (the paper's three stages): new tokens go into the full-precision buffers; attention reads
+[sink | pages | buffers] (Triton on a GPU, the PyTorch reference on a CPU); then a buffer that holds G tokens
+(keys) or R + G tokens (values) becomes one page. Padding (left-padded batches) is never stored: each
+sequence's buffers and pages hold only its own tokens, tracked by per-sequence lengths.
+
+The layer does its work inside the registered attention function (backend/attention.py): `update` only tags
+the new key tensor with its layer, because transformers calls `update` before attention with no mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kernels import quantize
+from kernels.decode_attention import decode_attention, decode_attention_ref, gather_kv
+from kernels.layout import SCALE_DTYPE, PagedKV
+
+from .methods import CacheConfig
+from .pages import PagePool, PageTable
+
+
+class KittyLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, config: CacheConfig, layer_idx: int = 0, use_triton: bool | None = None,
+                 record_magnitudes: bool = True, reserve_tokens: int = 0):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.use_triton = use_triton            # None: Triton for CUDA tensors, the PyTorch reference otherwise
+        self.record_magnitudes = record_magnitudes
+        self.reserve_tokens = reserve_tokens    # page storage to set aside per sequence (no reallocation later)
+        self.seen = 0                           # positions seen, padding included (what masks are sized by)
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cfg = self.config
+        bsz, heads, _, dim = key_states.shape
+        if dim % 4:
+            raise ValueError(f"head_dim={dim} is not a multiple of 4: 2-bit codes are packed 4 per byte")
+        self.n_boost = cfg.boosted_channels(dim)
+        if self.n_boost > 254:
+            raise ValueError(f"{self.n_boost} boosted channels do not fit the uint8 boost index (at most 254)")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch, self.heads, self.head_dim = bsz, heads, dim
+        self.lengths = np.zeros(bsz, dtype=np.int64)            # host copy of seq_len: decisions without a sync
+        self.seq_len = torch.zeros(bsz, dtype=torch.int32, device=self.device)
+        s, g, r = cfg.sink, cfg.page_size, cfg.local_window
+        # Zeros, not empty: the SDPA path reads whole rows and 0 * NaN garbage would poison its output
+        self.k_fp = key_states.new_zeros((bsz, heads, s + (g if cfg.k_bits < 16 else 0), dim))
+        self.v_fp = key_states.new_zeros((bsz, heads, s + (r + g if cfg.v_bits < 16 else 0), dim))
+        gq, dq = g // 4, dim // 4
+        self.key_pool = PagePool({
+            "low": ((heads, dim, gq), torch.uint8), "high": ((heads, self.n_boost, gq), torch.uint8),
+            "idx": ((heads, dim), torch.uint8), "scale": ((heads, dim), SCALE_DTYPE),
+            "zero": ((heads, dim), SCALE_DTYPE), "magnitude": ((heads, dim), SCALE_DTYPE),
+        }, self.device, diagnostics=("magnitude",))
+        self.value_pool = PagePool({
+            "low": ((heads, g, dq), torch.uint8), "high": ((heads, g if cfg.v_bits == 4 else 0, dq), torch.uint8),
+            "scale": ((heads, g), SCALE_DTYPE), "zero": ((heads, g), SCALE_DTYPE),
+        }, self.device)
+        self.key_table = PageTable(bsz, self.device)
+        self.value_table = PageTable(bsz, self.device)
+        if self.reserve_tokens:
+            pages = bsz * -(-max(0, self.reserve_tokens - s) // g)
+            if cfg.k_bits < 16:
+                self.key_pool.reserve(pages)
+            if cfg.v_bits < 16:
+                self.value_pool.reserve(pages)
+        self.is_initialized = True
+
+    def _triton(self) -> bool:
+        return self.device.type == "cuda" if self.use_triton is None else self.use_triton
+
+    # ------------------------------------------------------------------------------------------ transformers API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        tagged = key_states.view_as(key_states)
+        tagged.kitty_layer = self               # found by backend.attention.kitty_attention
+        return tagged, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.seen = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(torch.arange(self.batch).repeat_interleave(repeats))
+
+    def _select(self, index: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        dev = index.to(self.device)
+        self.k_fp, self.v_fp, self.seq_len = self.k_fp[dev], self.v_fp[dev], self.seq_len[dev]
+        self.lengths = self.lengths[index.cpu().numpy()]
+        self.key_table.select(index)
+        self.value_table.select(index)
+        self.batch = len(self.lengths)
+
+    # ------------------------------------------------------------------------------------------ attention
+    def attend(self, module, query, key, value, attention_mask, scaling, **kwargs) -> torch.Tensor:
+        """Attention output (B, q_len, HQ, D) for the new tokens, storing them in the cache."""
+        if not self.lengths.any():                                  # prefill: FP16 attention over the prompt
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+            self._append(key, value, prompt_lengths(attention_mask, key.shape[2], key.shape[0]))
+            return out
+        if query.shape[2] == 1:                                     # decode: insert, attend, quantize
+            self._insert_one(key[:, :, 0], value[:, :, 0])
+            out = self._decode(module, query, scaling, **kwargs)
+            self._quantize_full_buffers()
+            return out
+        out = self._attend_chunk(query, key, value, scaling)        # a further chunk of prompt on a filled cache
+        self._append(key, value, np.full(self.batch, key.shape[2]))
+        return out
+
+    def paged(self) -> PagedKV:
+        kp, vp = self.key_pool.tensors, self.value_pool.tensors
+        cfg = self.config
+        return PagedKV(self.k_fp, self.v_fp, kp["low"], kp["high"], kp["idx"], kp["scale"], kp["zero"],
+                       vp["low"], vp["high"], vp["scale"], vp["zero"], self.key_table.ids, self.value_table.ids,
+                       self.seq_len, self.key_table.device_counts, self.value_table.device_counts,
+                       cfg.sink, cfg.page_size, self.n_boost, cfg.v_bits)
+
+    def _decode(self, module, query, scaling, **kwargs) -> torch.Tensor:
+        if self.config.is_full_precision:
+            # No page anywhere: SDPA over the contiguous buffers, as transformers' own cache would run it
+            longest = int(self.lengths.max())
+            mask = None
+            if self.lengths.min() != longest:
+                mask = (torch.arange(longest, device=self.device) < self.seq_len[:, None])[:, None, None, :]
+            out, _ = sdpa_attention_forward(module, query, self.k_fp[:, :, :longest], self.v_fp[:, :, :longest],
+                                            mask, scaling=scaling, **kwargs)
+            return out
+        attention = decode_attention if self._triton() else decode_attention_ref
+        return attention(query[:, :, 0], self.paged(), scaling).unsqueeze(1)
+
+    def _attend_chunk(self, query, key, value, scaling) -> torch.Tensor:
+        """New chunk of n tokens on a non-empty cache: causal attention over [cached tokens | chunk]."""
+        out = torch.empty_like(query).transpose(1, 2)               # (B, n, HQ, D)
+        kv = self.paged()
+        n, group = query.shape[2], query.shape[1] // self.heads
+        for b in range(self.batch):
+            keys, values = gather_kv(kv, b, query.dtype)
+            keys = torch.cat([keys, key[b]], dim=1).repeat_interleave(group, dim=0)
+            values = torch.cat([values, value[b]], dim=1).repeat_interleave(group, dim=0)
+            past = int(self.lengths[b])
+            causal = torch.arange(past + n, device=self.device)[None, :] <= past + torch.arange(
+                n, device=self.device)[:, None]
+            o = torch.nn.functional.scaled_dot_product_attention(query[b:b + 1], keys[None], values[None],
+                                                                 attn_mask=causal, scale=scaling)
+            out[b] = o[0].transpose(0, 1)
+        return out
+
+    # ------------------------------------------------------------------------------------------ storing tokens
+    def _insert_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Decode step: one token per sequence into the sink or the full-precision buffers, without a host sync."""
+        cfg = self.config
+        self._grow_fp(int(self.lengths.max()) + 1)
+        rows = torch.arange(self.batch, device=self.device)
+        # Token t sits at t in the sink, else at t - pages*G (sink + offset in the buffer): one formula for both
+        k_pos = self.seq_len - self.key_table.device_counts * cfg.page_size
+        v_pos = self.seq_len - self.value_table.device_counts * cfg.page_size
+        self.k_fp[rows, :, k_pos.long()] = key
+        self.v_fp[rows, :, v_pos.long()] = value
+        self.seq_len += 1
+        self.lengths += 1
+
+    def _grow_fp(self, tokens: int) -> None:
+        """16-bit keys / values keep every token after the sink: grow their buffer (doubling) to hold `tokens`."""
+        for name, bits in (("k_fp", self.config.k_bits), ("v_fp", self.config.v_bits)):
+            buf = getattr(self, name)
+            if bits == 16 and buf.shape[2] < tokens:
+                bigger = buf.new_zeros((*buf.shape[:2], max(tokens, 2 * buf.shape[2]), buf.shape[3]))
+                bigger[:, :, :buf.shape[2]] = buf
+                setattr(self, name, bigger)
+
+    def _append(self, key: torch.Tensor, value: torch.Tensor, counts) -> None:
+        """Append the last counts[b] tokens of key/value (B, H, n, D) to each sequence, quantizing full buffers."""
+        cfg = self.config
+        s = cfg.sink
+        self._grow_fp(int((self.lengths + np.asarray(counts)).max()))
+        key_pages, value_pages = [], []                              # (sequence, (H, G, D) tokens)
+        for b, count in enumerate(int(c) for c in counts):
+            k, v = key[b, :, key.shape[2] - count:], value[b, :, value.shape[2] - count:]
+            length = int(self.lengths[b])
+            take = min(max(s - length, 0), count)                    # sink first
+            self.k_fp[b, :, length:length + take] = k[:, :take]
+            self.v_fp[b, :, length:length + take] = v[:, :take]
+            length += take
+            if take < count:
+                key_pages += self._extend_buffer(self.k_fp, b, length, self.key_table.counts[b], k[:, take:],
+                                                 keep=0, bits=cfg.k_bits)
+                value_pages += self._extend_buffer(self.v_fp, b, length, self.value_table.counts[b], v[:, take:],
+                                                   keep=cfg.local_window, bits=cfg.v_bits)
+            self.lengths[b] += count
+        self.seq_len.copy_(torch.from_numpy(self.lengths))
+        stack = lambda pages: (np.array([b for b, _ in pages], dtype=np.int64),
+                               torch.stack([t for _, t in pages]) if pages else None)
+        self._store_pages(*stack(key_pages), *stack(value_pages))
+
+    def _extend_buffer(self, buf, b, length, pages, tokens, keep, bits) -> list[tuple[int, torch.Tensor]]:
+        """Put `tokens` after sequence b's buffer content; cut every G tokens beyond `keep` off as pages."""
+        s, g = self.config.sink, self.config.page_size
+        filled = length - s - int(pages) * g
+        content = torch.cat([buf[b, :, s:s + filled], tokens], dim=1)
+        n_pages = max(0, content.shape[1] - keep) // g if bits < 16 else 0
+        rest = content[:, n_pages * g:]
+        buf[b, :, s:s + rest.shape[1]] = rest
+        return [(b, content[:, p * g:(p + 1) * g]) for p in range(n_pages)]
+
+    def _quantize_full_buffers(self) -> None:
+        """After a decode step's attention: a key Q-buffer of G tokens, or a value tail of R + G, becomes a page.
+        Host arithmetic on the lengths picks the sequences (no GPU sync); one batched launch per kind."""
+        cfg = self.config
+        s, g, r = cfg.sink, cfg.page_size, cfg.local_window
+        after_sink = self.lengths - np.minimum(self.lengths, s)
+        key_rows = np.flatnonzero(after_sink - self.key_table.counts * g == g) if cfg.k_bits < 16 else []
+        value_rows = np.flatnonzero(after_sink - self.value_table.counts * g == r + g) if cfg.v_bits < 16 else []
+        if not len(key_rows) and not len(value_rows):
+            return
+        k_index = torch.from_numpy(key_rows).to(self.device) if len(key_rows) else None
+        v_index = torch.from_numpy(value_rows).to(self.device) if len(value_rows) else None
+        self._store_pages(key_rows, self.k_fp[k_index, :, s:s + g] if len(key_rows) else None,
+                          value_rows, self.v_fp[v_index, :, s:s + g] if len(value_rows) else None)
+        if len(value_rows):                                          # slide each affected tail down by G
+            self.v_fp[v_index, :, s:s + r] = self.v_fp[v_index, :, s + g:s + g + r]
+
+    def _store_pages(self, key_rows, key_x, value_rows, value_x) -> None:
+        """Quantize pages (N, H, G, D) in one batched call per kind and give sequence rows[k] page k."""
+        cfg = self.config
+        use_triton = self._triton()
+        if key_x is not None:
+            idx, magnitude = quantize.choose_boost(key_x, self.n_boost, cfg.selection, self._generator())
+            quant = quantize.quantize_keys if use_triton else quantize.quantize_keys_ref
+            low, high, scale, zero = quant(key_x, idx, self.n_boost)
+            ids = self.key_pool.allocate(len(key_rows))
+            fields = dict(low=low, high=high, idx=idx, scale=scale, zero=zero)
+            if self.record_magnitudes:
+                fields["magnitude"] = magnitude.to(SCALE_DTYPE)
+            self.key_pool.write(ids, **fields)
+            self.key_table.append(key_rows, ids)
+        if value_x is not None:
+            quant = quantize.quantize_values if use_triton else quantize.quantize_values_ref
+            low, high, scale, zero = quant(value_x, cfg.v_bits)
+            ids = self.value_pool.allocate(len(value_rows))
+            self.value_pool.write(ids, low=low, high=high, scale=scale, zero=zero)
+            self.value_table.append(value_rows, ids)
+
+    def _generator(self) -> torch.Generator | None:
+        """Random channel selection draws from a per-layer generator seeded by the config: reproducible runs."""
+        if self.config.selection != "random":
+            return None
+        if not hasattr(self, "_rng"):
+            self._rng = torch.Generator().manual_seed(self.config.seed * 1009 + self.layer_idx)
+        return self._rng
+
+    # ------------------------------------------------------------------------------------------ accounting
+    def nbytes(self) -> int:
+        """Bytes this layer's cache holds: full-precision buffers, pages, page tables (diagnostics excluded)."""
+        if not self.is_initialized:
+            return 0
+        fp = sum(t.numel() * t.element_size() for t in (self.k_fp, self.v_fp))
+        return fp + self.key_pool.nbytes + self.value_pool.nbytes + self.key_table.nbytes + self.value_table.nbytes
+
+    def boost_record(self, seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence `seq`'s key pages in order: boost masks (pages, H, D) bool and magnitudes (pages, H, D)."""
+        ids = self.key_table.pages_of(seq)
+        if not ids:
+            empty = torch.zeros((0, self.heads, self.head_dim))
+            return empty.bool(), empty
+        index = torch.tensor(ids, device=self.device)
+        mask = self.key_pool.tensors["idx"][index].int() < self.n_boost
+        magnitude = self.key_pool.tensors["magnitude"][index].float()
+        if not self.record_magnitudes:
+            magnitude = torch.full_like(magnitude, float("nan"))
+        return mask.cpu(), magnitude.cpu()
+
+
+def prompt_lengths(attention_mask: torch.Tensor | None, width: int, batch: int) -> list[int]:
+    """Real tokens per sequence of a left-padded prompt, read from the last query row of the 4D mask."""
+    if attention_mask is None:
+        return [width] * batch
+    last = attention_mask[:, 0, -1, -width:]
+    valid = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    valid = valid.expand(batch, -1)
+    counts = valid.sum(dim=1)
+    suffix = torch.arange(width, device=valid.device)[None, :] >= (width - counts)[:, None]
+    if not torch.equal(valid, suffix):
+        raise ValueError("KittyCache needs left padding (padding_side='left'): the prompt mask has holes")
+    return counts.tolist()
+
+
+# ---------------------------------------------------------------------------------------------- the Cache
+@dataclass
+class LayerStats:
+    index: int
+    kind: str                              # "kitty" (the method's layout) or "fp16-sliding" (left at full precision)
+    nbytes: int
+    key_pages: list[int]                   # per sequence
+    value_pages: list[int]
+    boost_masks: list[torch.Tensor]        # per sequence: (key pages, H, D) bool, True = channel stored at 4 bits
+    magnitudes: list[torch.Tensor]         # per sequence: (key pages, H, D) mean |k| that chose the mask
+
+
+@dataclass
+class CacheStats:
+    method: str
+    config: dict
+    batch_size: int
+    tokens: list[int]                      # tokens stored per sequence (padding is never stored)
+    bytes_allocated: int                   # every tensor the cache holds (buffers, pages, tables)
+    fp16_bytes: int                        # the same tokens' keys and values at 16 bits
+    key_bytes: int
+    value_bytes: int
+    key_bits: float                        # bits per stored key element, buffers and metadata included
+    value_bits: float
+    key_pages: int
+    value_pages: int
+    layers: list[LayerStats] = field(repr=False)
+
+    @property
+    def compression(self) -> float:
+        return self.fp16_bytes / self.bytes_allocated if self.bytes_allocated else 0.0
+
+    def summary(self) -> dict:
+        """Scalars only: what a table row or a log line shows."""
+        keys = ("method", "batch_size", "tokens", "bytes_allocated", "fp16_bytes", "key_bits", "value_bits",
+                "key_pages", "value_pages")
+        return {**{k: getattr(self, k) for k in keys}, "compression": self.compression,
+                "fp16_layers": sum(layer.kind != "kitty" for layer in self.layers)}
+
+
+def attention_layer_types(model_config) -> list[str]:
+    """'full_attention' or 'sliding_attention' per decoder layer; other kinds are refused with a clear error."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+    unsupported = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unsupported:
+        raise ValueError(f"KittyCache supports full and sliding-window attention layers, not {unsupported}")
+    if "full_attention" not in types:
+        raise ValueError("every layer of this model uses sliding-window attention: KittyCache quantizes full-"
+                         "attention layers only, so it has nothing to do here")
+    return list(types)
+
+
+class KittyCache(Cache):
+    """A KV cache for `model.generate(past_key_values=...)`: Kitty / KIVI / FP16 layers by one `CacheConfig`.
+
+    Sliding-window layers (hybrid models) keep transformers' own full-precision sliding cache; stats() says so."""
+
+    def __init__(self, config: CacheConfig, model_config, use_triton: bool | None = None,
+                 record_magnitudes: bool = True, reserve_tokens: int = 0):
+        text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        layers = []
+        for i, kind in enumerate(attention_layer_types(model_config)):
+            if kind == "full_attention":
+                layers.append(KittyLayer(config, i, use_triton, record_magnitudes, reserve_tokens))
+            else:
+                layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
+        super().__init__(layers=layers)
+        self.config = config
+
+    def stats(self) -> CacheStats:
+        kitty = [layer for layer in self.layers if isinstance(layer, KittyLayer) and layer.is_initialized]
+        layer_stats, key_bytes, value_bytes, fp16, key_elems, value_elems = [], 0, 0, 0, 0, 0
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, KittyLayer):
+                if not layer.is_initialized:
+                    continue
+                kb = layer.k_fp.numel() * layer.k_fp.element_size() + layer.key_pool.nbytes + layer.key_table.nbytes
+                vb = layer.nbytes() - kb
+                elems = sum(layer.lengths) * layer.heads * layer.head_dim
+                records = [layer.boost_record(b) for b in range(layer.batch)]
+                layer_stats.append(LayerStats(i, "kitty", kb + vb, layer.key_table.counts.tolist(),
+                                              layer.value_table.counts.tolist(), [m for m, _ in records],
+                                              [g for _, g in records]))
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+                kb = layer.keys.numel() * layer.keys.element_size()
+                vb = layer.values.numel() * layer.values.element_size()
+                elems = layer.keys.numel()
+                layer_stats.append(LayerStats(i, "fp16-sliding", kb + vb, [], [], [], []))
+            else:
+                continue
+            key_bytes, value_bytes = key_bytes + kb, value_bytes + vb
+            key_elems, value_elems, fp16 = key_elems + elems, value_elems + elems, fp16 + 4 * elems
+        first = kitty[0] if kitty else None
+        return CacheStats(
+            method=self.config.name, config=self.config.as_dict(),
+            batch_size=first.batch if first else 0, tokens=first.lengths.tolist() if first else [],
+            bytes_allocated=key_bytes + value_bytes, fp16_bytes=fp16, key_bytes=key_bytes, value_bytes=value_bytes,
+            key_bits=8 * key_bytes / key_elems if key_elems else 0.0,
+            value_bits=8 * value_bytes / value_elems if value_elems else 0.0,
+            key_pages=sum(sum(s.key_pages) for s in layer_stats),
+            value_pages=sum(sum(s.value_pages) for s in layer_stats), layers=layer_stats)

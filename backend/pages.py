@@ -1,0 +1,104 @@
+"""A pool of fixed-size pages (PagedAttention style) and per-sequence page tables.
+
+Pages are written once (when a buffer of G tokens is quantized) and never change, so sequences may share them
+(beam search reorders rows of the page table, not pages). Storage grows by exactly the pages asked for, so the
+bytes a cache reports are the bytes its pages take; `reserve` grows it ahead of time for speed-critical runs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class PagePool:
+    """Named tensors of shape (capacity, *page_shape); one page id indexes all of them.
+
+    `diagnostics` names tensors kept beside the pages for analysis only (not part of the cache's bytes)."""
+
+    def __init__(self, page_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], device,
+                 diagnostics: tuple[str, ...] = ()):
+        self.tensors = {name: torch.empty((0, *shape), dtype=dtype, device=device)
+                        for name, (shape, dtype) in page_shapes.items()}
+        self.diagnostics = diagnostics
+        self.free: list[int] = []
+        self.in_use = 0
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for name, t in self.tensors.items() if name not in self.diagnostics)
+
+    def reserve(self, pages: int) -> None:
+        """Grow the storage so that `pages` more pages can be allocated without reallocation."""
+        grow = pages - len(self.free)
+        if grow > 0:
+            start = self.capacity
+            self.tensors = {name: torch.cat([t, t.new_empty((grow, *t.shape[1:]))])
+                            for name, t in self.tensors.items()}
+            self.free.extend(range(start, start + grow))
+
+    def allocate(self, n: int) -> list[int]:
+        self.reserve(n)
+        ids, self.free = self.free[:n], self.free[n:]
+        self.in_use += n
+        return ids
+
+    def write(self, ids: list[int], **values: torch.Tensor) -> None:
+        index = torch.tensor(ids, dtype=torch.long, device=next(iter(self.tensors.values())).device)
+        for name, value in values.items():
+            self.tensors[name][index] = value
+
+    def release_all(self) -> None:
+        self.free = list(range(self.capacity))
+        self.in_use = 0
+
+
+class PageTable:
+    """(batch, max_pages) int32 page ids per sequence, with page counts kept on the host as well (a numpy array:
+    deciding when to quantize needs no GPU sync) and on the device (for the kernels)."""
+
+    def __init__(self, batch: int, device):
+        self.ids = torch.full((batch, 0), -1, dtype=torch.int32, device=device)
+        self.counts = np.zeros(batch, dtype=np.int64)
+        self.device_counts = torch.zeros(batch, dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.numel() * self.ids.element_size() + self.device_counts.numel() * 4
+
+    def append(self, seqs: np.ndarray, ids: list[int]) -> None:
+        """Sequence seqs[k] gets page ids[k] as its next page; a sequence may appear several times (in order)."""
+        seqs = np.asarray(seqs, dtype=np.int64)
+        cols = self.counts[seqs] + occurrence_rank(seqs)
+        need = int(cols.max()) + 1
+        if need > self.ids.shape[1]:
+            grow = max(need, 2 * self.ids.shape[1]) - self.ids.shape[1]
+            self.ids = torch.cat([self.ids, self.ids.new_full((self.ids.shape[0], grow), -1)], dim=1)
+        device = self.ids.device
+        rows = torch.from_numpy(seqs).to(device)
+        self.ids[rows, torch.from_numpy(cols).to(device)] = torch.tensor(ids, dtype=torch.int32).to(device)
+        self.counts += np.bincount(seqs, minlength=len(self.counts))
+        self.device_counts.index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
+
+    def pages_of(self, seq: int) -> list[int]:
+        return self.ids[seq, :self.counts[seq]].tolist()
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (beam reorder / repeat / select); shared pages stay valid (pages are immutable)."""
+        self.ids = self.ids[index.to(self.ids.device)]
+        self.counts = self.counts[index.cpu().numpy()]
+        self.device_counts = self.device_counts[index.to(self.ids.device)]
+
+
+def occurrence_rank(values: np.ndarray) -> np.ndarray:
+    """For each element, how many equal elements come before it: [3, 1, 3, 3] -> [0, 0, 1, 2]."""
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    rank = np.arange(len(values)) - np.repeat(starts, np.diff(np.r_[starts, len(values)]))
+    out = np.empty_like(rank)
+    out[order] = rank
+    return out

@@ -1,0 +1,267 @@
+"""The KittyCache inside transformers' generate, on small random-weight models of each supported family.
+
+Layer 0's keys and values depend only on the embeddings, so a run through KittyCache and one through
+DynamicCache see the same layer-0 tokens: that lets these tests check the cache's content exactly (what is in
+the sink, which tokens became which page, what stays in the buffers) rather than only its outputs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, tiny_model
+from transformers import DynamicCache
+
+import backend.cache
+import kernels.decode_attention
+from backend import make_cache, method_config
+from backend.cache import KittyLayer
+from kernels.dequantize import dequantize_keys_ref
+from kernels.quantize import choose_boost, quantize_keys_ref, quantize_values_ref
+
+
+def feed(model, ids: torch.Tensor, cache, prefix: int, mask: torch.Tensor | None = None):
+    """Prefill `prefix` tokens, then the rest one decode step at a time (teacher forcing); per-step logits.
+    With a (left-padding) mask, positions count real tokens only, as generate() computes them."""
+    ids = ids.to(model.device)
+    mask = torch.ones_like(ids) if mask is None else mask.to(model.device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(ids[:, :prefix], attention_mask=mask[:, :prefix], position_ids=positions[:, :prefix],
+                    past_key_values=cache, use_cache=True)
+        logits = [out.logits[:, -1]]
+        for i in range(prefix, ids.shape[1]):
+            out = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], position_ids=positions[:, i:i + 1],
+                        past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+def check_layer_content(layer: KittyLayer, keys: torch.Tensor, values: torch.Tensor, b: int = 0):
+    """Sequence b of `layer` holds exactly keys/values (H, L, D): sink, pages (bit for bit), buffers."""
+    cfg = layer.config
+    s, g, r = cfg.sink, cfg.page_size, cfg.local_window
+    length = keys.shape[1]
+    assert layer.lengths[b] == length
+    sink = min(length, s)
+    nkp = (length - sink) // g if cfg.k_bits < 16 else 0
+    nvp = max(0, length - sink - r) // g if cfg.v_bits < 16 else 0
+    assert layer.key_table.counts[b] == nkp and layer.value_table.counts[b] == nvp
+    assert torch.equal(layer.k_fp[b, :, :sink], keys[:, :sink]) and torch.equal(layer.v_fp[b, :, :sink], values[:, :sink])
+    k_rest, v_rest = keys[:, s + nkp * g:], values[:, s + nvp * g:]
+    assert torch.equal(layer.k_fp[b, :, s:s + k_rest.shape[1]], k_rest)
+    assert torch.equal(layer.v_fp[b, :, s:s + v_rest.shape[1]], v_rest)
+    pool = layer.key_pool.tensors
+    for p, pid in enumerate(layer.key_table.pages_of(b)):
+        x = keys[:, s + p * g:s + (p + 1) * g].unsqueeze(0)
+        idx, mags = choose_boost(x, layer.n_boost)
+        if cfg.selection == "magnitude":
+            assert torch.equal(pool["idx"][pid], idx[0])
+        assert torch.allclose(pool["magnitude"][pid].float(), mags[0], rtol=1e-3, atol=1e-3)
+        expected = quantize_keys_ref(x, pool["idx"][pid].unsqueeze(0), layer.n_boost)
+        for name, want in zip(("low", "high", "scale", "zero"), expected):
+            assert torch.equal(pool[name][pid], want[0]), f"key page {p}: {name}"
+    vpool = layer.value_pool.tensors
+    for p, pid in enumerate(layer.value_table.pages_of(b)):
+        expected = quantize_values_ref(values[:, s + p * g:s + (p + 1) * g].unsqueeze(0), cfg.v_bits)
+        for name, want in zip(("low", "high", "scale", "zero"), expected):
+            assert torch.equal(vpool[name][pid], want[0]), f"value page {p}: {name}"
+
+
+@pytest.mark.parametrize("method", ["kitty", "kitty-pro", "kivi-k2v2", "kivi-k4v2*", "kivi-k2v4*", "kivi-k4v4"])
+def test_cache_content_follows_the_paper_step_by_step(method):
+    """Prefill 40 tokens, decode 260 more (crossing sink, pages and the value window); check after each phase."""
+    cfg = method_config(method, page_size=64, local_window=48)
+    model = tiny_model(heads=4, kv_heads=2, head_dim=64)
+    ids = torch.randint(3, 256, (1, 300), generator=torch.Generator().manual_seed(7))
+    reference = DynamicCache(config=model.config)
+    feed(model, ids, reference, prefix=40)
+    cache = make_cache(model, cfg)
+    feed(model, ids[:, :40], cache, prefix=40)
+    check_layer_content(cache.layers[0], reference.layers[0].keys[0, :, :40], reference.layers[0].values[0, :, :40])
+    feed(model, ids, make_cache(model, cfg), prefix=40)  # a second cache must not disturb anything
+    cache = make_cache(model, cfg)
+    feed(model, ids, cache, prefix=40)
+    check_layer_content(cache.layers[0], reference.layers[0].keys[0], reference.layers[0].values[0])
+
+
+def test_long_prompt_is_paged_at_prefill():
+    cfg = method_config("kitty", page_size=64, local_window=64)
+    model = tiny_model(heads=6, kv_heads=2)
+    ids = torch.randint(3, 256, (1, 333), generator=torch.Generator().manual_seed(1))
+    reference = DynamicCache(config=model.config)
+    cache = make_cache(model, cfg)
+    feed(model, ids, reference, prefix=333)
+    feed(model, ids, cache, prefix=333)
+    layer = cache.layers[0]
+    assert layer.key_table.counts == [(333 - 32) // 64] and layer.value_table.counts == [(333 - 32 - 64) // 64]
+    check_layer_content(layer, reference.layers[0].keys[0], reference.layers[0].values[0])
+
+
+def test_fp16_preset_equals_dynamic_cache_bit_for_bit():
+    model = tiny_model(heads=8, kv_heads=2)
+    ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(2))
+    a = feed(model, ids, DynamicCache(config=model.config), prefix=20)
+    b = feed(model, ids, make_cache(model, "fp16"), prefix=20)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch,heads,kv_heads,head_dim", [
+    ("llama", 4, 4, 64), ("llama", 9, 3, 64), ("mistral", 8, 2, 128), ("qwen2", 8, 1, 64), ("qwen3", 8, 2, 128),
+])
+@pytest.mark.parametrize("prompt_len", [20, 350])
+def test_generate_works_for_each_family_and_gqa_ratio(arch, heads, kv_heads, head_dim, prompt_len):
+    """Greedy and sampled generation, prompts shorter and longer than sink + page + window (32 + 128 + 128)."""
+    extra = {"sliding_window": None} if arch == "mistral" else {}     # Mistral-7B-v0.3 style: full attention
+    model = tiny_model(arch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, **extra)
+    ids = torch.randint(3, 256, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len)).to(DEVICE)
+    cache = make_cache(model, "kitty")
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=12,
+                         do_sample=False, pad_token_id=0)
+    assert out.shape == (1, prompt_len + 12)
+    stats = cache.stats()
+    assert stats.tokens == [prompt_len + 11] and len(stats.layers) == 2
+    assert stats.key_pages == 2 * ((prompt_len + 11 - 32) // 128 if prompt_len > 32 else 0)
+    torch.manual_seed(0)
+    sampled = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=make_cache(model, "kitty"),
+                             max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20, pad_token_id=0)
+    assert sampled.shape == (1, prompt_len + 12)
+    # a 16-bit custom config runs the same code path with nothing quantized: DynamicCache's tokens exactly
+    fp = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                        past_key_values=make_cache(model, "custom", k_bits=16, v_bits=16))
+    dyn = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                         pad_token_id=0, past_key_values=DynamicCache(config=model.config))
+    assert torch.equal(fp, dyn)
+
+
+def test_batch_of_different_lengths_stores_no_padding():
+    """Left-padded batch: each sequence's sink, pages and buffers hold its own tokens only."""
+    cfg = method_config("kitty", page_size=64, local_window=32)
+    model = tiny_model(heads=4, kv_heads=2)
+    lengths = [190, 45, 131]
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 256, (n,), generator=gen) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros((3, width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, width - len(s):], mask[b, width - len(s):] = s, 1
+    cache = make_cache(model, cfg)
+    steps = 70
+    new = torch.randint(3, 256, (3, steps), generator=gen)
+    feed(model, torch.cat([ids, new], 1), cache, prefix=width, mask=torch.cat([mask, torch.ones_like(new)], 1))
+    for b, s in enumerate(seqs):
+        single = DynamicCache(config=model.config)
+        feed(model, torch.cat([s, new[b]])[None], single, prefix=len(s))
+        keys, values = single.layers[0].keys[0], single.layers[0].values[0]
+        layer = cache.layers[0]
+        assert layer.lengths[b] == len(s) + steps
+        # batched and single matmuls may round differently: the sink within float noise, then pages code by code
+        torch.testing.assert_close(layer.k_fp[b, :, :32], keys[:, :32], atol=1e-5, rtol=1e-5)
+        pages = layer.key_table.pages_of(b)
+        assert len(pages) == (len(s) + steps - 32) // 64
+        pool = layer.key_pool.tensors
+        for p, pid in enumerate(pages):
+            x = keys[:, 32 + p * 64:32 + (p + 1) * 64].unsqueeze(0)
+            want = quantize_keys_ref(x, pool["idx"][pid].unsqueeze(0), layer.n_boost)
+            same = (pool["low"][pid] == want[0][0]).float().mean().item()
+            assert same > 0.99, f"sequence {b} page {p}: only {same:.3f} of the packed codes match its own tokens"
+
+
+def test_decode_on_the_triton_path_never_rebuilds_pages(monkeypatch):
+    """use_triton=True (interpreted here) gives the reference path's tokens, and its decode steps read pages
+    in the kernel only: the whole-page dequantizers and gather_kv are never called."""
+    cfg = method_config("kitty", page_size=32, local_window=32, sink=8)
+    model = tiny_model(heads=6, kv_heads=2, layers=1)
+    ids = torch.randint(3, 256, (2, 90), generator=torch.Generator().manual_seed(5))
+    ref_cache = make_cache(model, cfg, use_triton=False)
+    expected = feed(model, ids, ref_cache, prefix=70)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a decode step rebuilt a full-precision copy of the cache")
+    for module, name in [(backend.cache, "gather_kv"), (backend.cache, "decode_attention_ref"),
+                         (kernels.decode_attention, "gather_kv"), (kernels.decode_attention, "dequantize_keys_ref"),
+                         (kernels.decode_attention, "dequantize_values_ref")]:
+        monkeypatch.setattr(module, name, forbidden)
+    cache = make_cache(model, cfg, use_triton=True)
+    got = feed(model, ids, cache, prefix=70)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    layer, ref_layer = cache.layers[0], ref_cache.layers[0]
+    for name in ("low", "high", "scale", "zero"):
+        assert torch.equal(layer.key_pool.tensors[name], ref_layer.key_pool.tensors[name])
+
+
+def test_memory_matches_the_layout_at_4096_tokens():
+    """kitty at 4,096 tokens: bytes allocated within 5% of what the layout implies (2 + 2 alpha bits per key
+    element, 2 per value element, FP16 metadata, sink / Q-buffer / window at the model's precision)."""
+    heads, dim, layers = 3, 64, 2                      # the default model's attention shape, fewer layers
+    model = tiny_model(heads=9, kv_heads=heads, head_dim=dim, layers=layers, dtype=torch.float32)
+    ids = torch.randint(3, 256, (1, 4096), generator=torch.Generator().manual_seed(4))
+    cache = make_cache(model, "kitty")
+    feed(model, ids, cache, prefix=4000)
+    stats = cache.stats()
+    assert stats.tokens == [4096]
+    s, g, r, alpha, elem = 32, 128, 128, 0.125, 4       # float32 model: full-precision parts take 4 bytes
+    kp, vp = (4096 - s) // g, (4096 - s - r) // g
+    per_layer = (
+        2 * s * heads * dim * elem                                       # sink, keys and values
+        + g * heads * dim * elem + (r + g) * heads * dim * elem          # key Q-buffer, value Q-buffer + window
+        + kp * heads * (g * dim * (2 + 2 * alpha) / 8 + dim * (1 + 2 + 2))   # key planes, index, scale, zero
+        + vp * heads * (g * dim * 2 / 8 + g * (2 + 2)))                 # value plane, scale, zero per token
+    implied = layers * per_layer
+    assert abs(stats.bytes_allocated - implied) / implied < 0.05, (stats.bytes_allocated, implied)
+    assert stats.key_pages == layers * kp and stats.value_pages == layers * vp
+    assert stats.fp16_bytes == layers * 2 * 4096 * heads * dim * 2
+    masks = stats.layers[0].boost_masks[0]
+    assert masks.shape == (kp, heads, dim) and masks.sum(-1).eq(8).all()
+    assert stats.layers[0].magnitudes[0].shape == (kp, heads, dim)
+
+
+def test_sliding_window_layers_stay_full_precision_and_all_sliding_is_refused():
+    hybrid = tiny_model("qwen2", heads=4, kv_heads=2, layers=2, use_sliding_window=True, sliding_window=64,
+                        max_window_layers=1)
+    kinds = hybrid.config.layer_types
+    assert "sliding_attention" in kinds and "full_attention" in kinds
+    ids = torch.randint(3, 256, (1, 150), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    cache = make_cache(hybrid, "kitty")
+    hybrid.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=5,
+                    do_sample=False, pad_token_id=0)
+    layer_kinds = [layer.kind for layer in cache.stats().layers]
+    assert sorted(layer_kinds) == ["fp16-sliding", "kitty"] and cache.stats().summary()["fp16_layers"] == 1
+    sliding = tiny_model("mistral", heads=4, kv_heads=2, sliding_window=64)
+    with pytest.raises(ValueError, match="sliding-window"):
+        make_cache(sliding, "kitty")
+
+
+def test_beam_search_reorders_the_cache():
+    model = tiny_model(heads=4, kv_heads=2)
+    ids = torch.randint(3, 256, (1, 60), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)
+    dyn = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs)
+    ours = model.generate(ids, past_key_values=make_cache(model, "custom", k_bits=16, v_bits=16), **kwargs)
+    assert torch.equal(dyn, ours)
+    assert model.generate(ids, past_key_values=make_cache(model, "kitty"), **kwargs).shape == dyn.shape
+
+
+def test_right_padding_is_refused_with_a_clear_error():
+    model = tiny_model()
+    ids = torch.randint(3, 256, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    with pytest.raises(ValueError, match="left padding"):
+        feed(model, ids, make_cache(model, "kitty"), prefix=20, mask=mask)
+
+
+def test_dequantized_pages_track_the_keys():
+    """Stats and pages agree: dequantizing a stored page gives back its tokens within the quantization step."""
+    model = tiny_model()
+    ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(6))
+    reference, cache = DynamicCache(config=model.config), make_cache(model, "kitty-pro", page_size=64)
+    feed(model, ids, reference, prefix=200)
+    feed(model, ids, cache, prefix=200)
+    layer = cache.layers[0]
+    pool = layer.key_pool.tensors
+    pid = layer.key_table.pages_of(0)[0]
+    k = dequantize_keys_ref(*(pool[n][pid:pid + 1] for n in ("low", "high", "idx", "scale", "zero")),
+                            layer.n_boost, torch.float32)[0]
+    x = reference.layers[0].keys[0, :, 32:96]
+    assert ((k - x).abs() <= pool["scale"][pid].float().unsqueeze(1) / 2 + 1e-3).all()
