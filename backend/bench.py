@@ -1,0 +1,396 @@
+"""Benchmarks that tell the truth: one command, one table, medians, ratios measured in the same run.
+
+    python -m backend.bench attention [--batches 1 8 64] [--lengths 4096 32768] [--out results.json]
+    python -m backend.bench generate  [--budget-gb 80] [--prompt 512] [--new-tokens 8192] [--out results.json]
+    python -m backend.bench attention --quick --out results.json      # tiny shapes on a CPU, under a minute
+    python -m backend.bench plot results.json                          # figures (HTML, PNG) from saved results
+
+attention: decode attention of one query per sequence over a cache of L tokens, Qwen3-8B attention shape
+(32 query heads, 8 KV heads, head_dim 128): our kernel on kitty / kitty-pro / kivi-k2v2 / fp16 caches, torch
+SDPA over FP16 K/V (the anchor's baseline), and transformers' QuantizedCache read path (quanto, 2 and 4 bits:
+dequantize everything, then SDPA). Medians of CUDA-graph replays (triton.testing), effective GB/s = bytes the
+method must read / time, next to the device-to-device copy bandwidth measured in the same run.
+
+generate: a Qwen3-8B-shaped model with random weights under one memory budget: for each method the largest
+batch that fits, tokens/s there, time to first token, per-step latency p50 / p99 / max, and how much the
+page-boundary quantization steps cost.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+import triton.testing
+
+from kernels.decode_attention import decode_attention  # on a CPU, kernels/ runs Triton interpreted
+
+from .cache import KittyLayer
+from .methods import method_config
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
+CACHE_METHODS = ("kitty", "kitty-pro", "kivi-k2v2", "fp16")
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def median_seconds(fn, quick: bool) -> float:
+    """Median time of fn: CUDA-graph replays on a GPU (no launch gaps), wall clock on a CPU."""
+    if torch.cuda.is_available():
+        try:
+            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e3
+        except RuntimeError:                          # not capturable (quanto's Python-side tensors)
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    fn()
+    times = []
+    for _ in range(1 if quick else 5):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float | None:
+    """Device-to-device copy GB/s, bytes read + written (the ceiling for memory-bound kernels)."""
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median") / 1e3
+    return 2 * src.numel() / seconds / 1e9
+
+
+def environment() -> dict:
+    import transformers
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": gpu,
+            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__,
+            "command": "python -m backend.bench " + " ".join(sys.argv[1:])}
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def random_kv(batch, heads, length, dim, dtype, device, seed=0):
+    """Keys with a few loud channels (as real keys have) and plain random values."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    loud = 1 + 4 * (torch.rand(heads, 1, dim, generator=gen, device=device) > 0.9)
+    k = (torch.randn(batch, heads, length, dim, generator=gen, device=device) * loud).to(dtype)
+    v = torch.randn(batch, heads, length, dim, generator=gen, device=device).to(dtype)
+    return k, v
+
+
+def filled_layer(method: str, k: torch.Tensor, v: torch.Tensor) -> KittyLayer:
+    layer = KittyLayer(method_config(method), use_triton=True if k.is_cuda else None, record_magnitudes=False,
+                       reserve_tokens=k.shape[2])
+    layer.lazy_initialization(k, v)
+    layer._append(k, v, np.full(k.shape[0], k.shape[2]))
+    return layer
+
+
+def bytes_read(layer: KittyLayer) -> int:
+    """Bytes one decode step must read: every stored token's share of pages and full-precision buffers."""
+    kv, cfg = layer.paged(), layer.config
+    h, d, g, s = layer.heads, layer.head_dim, cfg.page_size, cfg.sink
+    elem = layer.k_fp.element_size()
+    pages_k = int(layer.key_table.counts.sum())
+    pages_v = int(layer.value_table.counts.sum())
+    key_page = h * (d * g // 4 + kv.n_boost * g // 4 + d * 5)
+    value_page = h * ((cfg.v_bits // 2) * g * d // 4 + 4 * g)
+    fp_k = sum(int(n) - pk * g for n, pk in zip(layer.lengths, layer.key_table.counts))
+    fp_v = sum(int(n) - pv * g for n, pv in zip(layer.lengths, layer.value_table.counts))
+    return pages_k * key_page + pages_v * value_page + (fp_k + fp_v) * h * d * elem
+
+
+def quanto_read_path(k, v, nbits):
+    """transformers' QuantizedCache (quanto backend) after prefill, and its per-step read: dequantize the
+    whole quantized cache, append the full-precision residual, SDPA. None when quanto is not installed."""
+    try:
+        from transformers.cache_utils import QuantoQuantizedLayer
+    except ImportError:
+        return None
+    try:
+        layer = QuantoQuantizedLayer(nbits=nbits, residual_length=128)
+        layer.update(k, v)
+    except Exception as exc:                          # optimum-quanto missing or incompatible
+        print(f"  QuantizedCache quanto int{nbits} unavailable: {exc}", file=sys.stderr)
+        return None
+
+    def read(q):
+        keys = torch.cat([layer._dequantize(layer._quantized_keys), layer.keys], dim=-2)
+        values = torch.cat([layer._dequantize(layer._quantized_values), layer.values], dim=-2)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+    quantized_bytes = sum(t.numel() * t.element_size() for t in _quanto_tensors(layer))
+    return read, quantized_bytes
+
+
+def _quanto_tensors(layer):
+    for qt in (layer._quantized_keys, layer._quantized_values):
+        for name in ("_data", "_scale", "_shift"):
+            t = getattr(qt, name, None)
+            if isinstance(t, torch.Tensor):
+                yield t
+    yield layer.keys
+    yield layer.values
+
+
+def bench_attention(args) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hq, h, d = (32, 8, 128) if not args.quick else (8, 2, 64)
+    batches = args.batches or ([1, 8, 64] if not args.quick else [1, 2])
+    lengths = args.lengths or ([4096, 32768] if not args.quick else [300])
+    methods = args.methods or list(CACHE_METHODS)
+    copy_gbs = copy_bandwidth()
+    rows = []
+    for length in lengths:
+        for batch in batches:
+            k, v = random_kv(batch, h, length, d, dtype, device)
+            q = torch.randn(batch, hq, d, device=device, dtype=dtype)
+            sm_scale = d ** -0.5
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                q[:, :, None], k, v, scale=sm_scale, enable_gqa=True)
+            sdpa_s = median_seconds(sdpa, args.quick)
+            fp16_bytes = 2 * k.numel() * k.element_size()
+            rows.append(dict(batch=batch, tokens=length, method="sdpa-fp16", us=sdpa_s * 1e6,
+                             gbs=fp16_bytes / sdpa_s / 1e9, vs_sdpa=1.0, max_err=0.0))
+            reference = sdpa()[:, :, 0].float()
+            for method in methods:
+                layer = filled_layer(method, k, v)
+                kv = layer.paged()
+                out = decode_attention(q, kv, sm_scale)
+                err = (out.float() - reference).abs().max().item()     # vs exact FP16 attention: quantization error
+                seconds = median_seconds(lambda: decode_attention(q, kv, sm_scale), args.quick)
+                rows.append(dict(batch=batch, tokens=length, method=method, us=seconds * 1e6,
+                                 gbs=bytes_read(layer) / seconds / 1e9, vs_sdpa=sdpa_s / seconds, max_err=err))
+                del layer, kv
+            if device == "cuda":
+                for nbits in (4, 2):
+                    found = quanto_read_path(k, v, nbits)
+                    if found is None:
+                        continue
+                    read, nbytes = found
+                    seconds = median_seconds(lambda: read(q[:, :, None]), args.quick)
+                    rows.append(dict(batch=batch, tokens=length, method=f"hf-quanto-int{nbits}", us=seconds * 1e6,
+                                     gbs=nbytes / seconds / 1e9, vs_sdpa=sdpa_s / seconds, max_err=None))
+            del k, v
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            print_rows([r for r in rows if r["batch"] == batch and r["tokens"] == length], header=len(rows) <= 8)
+    return {"kind": "attention", "shape": {"query_heads": hq, "kv_heads": h, "head_dim": d, "dtype": str(dtype)},
+            "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
+
+
+def print_rows(rows, header=True):
+    if header:
+        print(f"{'B':>3} {'L':>6} {'method':>15} {'us':>10} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
+    for r in rows:
+        err = "" if r.get("max_err") is None else f"{r['max_err']:.3g}"
+        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>15} {r['us']:>10.1f} {r['gbs']:>8.0f} "
+              f"{r['vs_sdpa']:>7.2f}x {err:>9}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- generate
+def build_model(quick: bool):
+    import transformers
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = QWEN3_8B if not quick else dict(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=32, max_position_embeddings=4096)
+    config = transformers.Qwen3Config(**shape, attn_implementation="sdpa", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None       # random weights: generate every asked-for token
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def kv_bytes_per_sequence(method: str, model, tokens: int) -> float:
+    """The cache's bytes for one sequence of `tokens` tokens, from the layout (what sizes the batch)."""
+    cfg = model.config
+    layers, h, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    elem = 2 if model.dtype != torch.float32 else 4
+    if method in ("hf-dynamic", "hf-static", "fp16"):
+        return layers * 2 * tokens * h * d * elem
+    if method.startswith("hf-quanto"):
+        bits = int(method[-1])
+        return layers * 2 * h * (tokens * d * bits / 8 + tokens * 4 + 128 * d * elem)   # + fp16 residual
+    m = method_config(method)
+    s, g, r = m.sink, m.page_size, m.local_window
+    nb = m.boosted_channels(d)
+    key = s * d * elem + g * d * elem + (tokens - s) / g * (d * g / 4 + nb * g / 4 + 5 * d)
+    value = (s + r + g) * d * elem + max(0, tokens - s - r) / g * (m.v_bits // 2 * g * d / 4 + 4 * g)
+    return layers * h * (key + value)
+
+
+def make_peer_cache(method, model, batch, max_len):
+    from transformers.cache_utils import DynamicCache, QuantizedCache, StaticCache
+
+    from backend import make_cache
+    if method == "hf-dynamic":
+        return DynamicCache(config=model.config)
+    if method == "hf-static":
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    if method.startswith("hf-quanto"):
+        return QuantizedCache(backend="quanto", config=model.config, nbits=int(method[-1]), residual_length=128)
+    return make_cache(model, method, record_magnitudes=False, reserve_tokens=max_len)
+
+
+class StepClock:
+    """A stopping criterion that never stops: it timestamps every generated token (after a device sync)."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_generate(model, method, batch, prompt, new_tokens):
+    from transformers import StoppingCriteriaList
+    device = model.device
+    ids = torch.randint(100, model.config.vocab_size, (batch, prompt), device=device,
+                        generator=torch.Generator(device=device).manual_seed(1))
+    cache = make_peer_cache(method, model, batch, prompt + new_tokens)
+    clock = StepClock()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         stopping_criteria=StoppingCriteriaList([clock]))
+    total = time.perf_counter() - start
+    assert out.shape == (batch, prompt + new_tokens)
+    steps = np.diff(np.array(clock.stamps)) * 1e3                  # decode step latencies, ms
+    ttft = clock.stamps[0] - start
+    quantized = not method.startswith("hf-") and method != "fp16"
+    row = dict(method=method, batch=batch, prompt=prompt, new_tokens=new_tokens, seconds=total,
+               tokens_per_s=batch * new_tokens / total, decode_tokens_per_s=batch * (new_tokens - 1) / steps.sum() * 1e3,
+               ttft_ms=ttft * 1e3, p50_ms=float(np.median(steps)), p99_ms=float(np.percentile(steps, 99)),
+               max_ms=float(steps.max()),
+               peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None)
+    if quantized:                                     # steps whose token completes a key Q-buffer quantize a page
+        cfg = method_config(method)
+        g = cfg.page_size                             # step i stores token prompt + i: full when (that + 1 - S) % G == 0
+        flush = np.zeros(len(steps), dtype=bool)
+        flush[(g - (prompt + 1 - cfg.sink) % g) % g::g] = True
+        median = np.median(steps[~flush])
+        row["flush_steps_ms"] = float(np.mean(steps[flush])) if flush.any() else None
+        row["flush_overhead_pct"] = float(100 * np.clip(steps[flush] - median, 0, None).sum() / steps.sum())
+    return row
+
+
+def bench_generate(args) -> dict:
+    model = build_model(args.quick)
+    prompt = args.prompt or (512 if not args.quick else 40)
+    new_tokens = args.new_tokens or (8192 if not args.quick else 8)
+    methods = args.methods or ["hf-dynamic", "hf-static", "hf-quanto4", "hf-quanto2", "kitty-pro", "kitty"]
+    rows = []
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * 1e9 / total))
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        # activations and logits at batch B: ~B * (vocab * 4 bytes * 3 + hidden * 40 bytes) at the decode step
+        per_seq_activations = model.config.vocab_size * 12 + model.config.hidden_size * 40 * prompt // 8
+        budget = args.budget_gb * 1e9 - weights - 2e9
+    for method in methods:
+        if torch.cuda.is_available():
+            per_seq = kv_bytes_per_sequence(method, model, prompt + new_tokens) + per_seq_activations
+            batch = max(1, int(budget / per_seq)) if not args.batch else args.batch
+        else:
+            batch = args.batch or 2
+        row = dict(method=method, batch=batch, error="out of memory")
+        for attempt in range(4):                      # the layout's estimate, confirmed by really running it
+            try:
+                row = run_generate(model, method, batch, prompt, new_tokens)
+                break
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                batch = int(batch * 0.9)
+            except ImportError as exc:                # a peer whose package is missing (optimum-quanto)
+                row = dict(method=method, batch=batch, error=str(exc).split(".")[0])
+                break
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {"kind": "generate", "budget_gb": args.budget_gb, "model": "Qwen3-8B shape, random weights",
+            "rows": rows, "env": environment()}
+
+
+# ---------------------------------------------------------------------------------------------- figures
+def write_figures(result: dict, out: Path) -> list[Path]:
+    """One Plotly figure per table: HTML always, PNG where kaleido finds a browser."""
+    try:
+        import plotly.graph_objects as go
+    except ImportError:
+        print("plotly is not installed: no figures", file=sys.stderr)
+        return []
+    rows = [r for r in result["rows"] if "error" not in r]
+    fig = go.Figure()
+    if result["kind"] == "attention":
+        for method in dict.fromkeys(r["method"] for r in rows):
+            sel = [r for r in rows if r["method"] == method]
+            fig.add_bar(name=method, x=[f"B={r['batch']} L={r['tokens']}" for r in sel], y=[r["us"] for r in sel])
+        fig.update_layout(title="Decode attention, median time per call (lower is better)", yaxis_type="log",
+                          yaxis_title="microseconds", barmode="group")
+    else:
+        fig.add_bar(x=[f"{r['method']} (B={r['batch']})" for r in rows], y=[r["tokens_per_s"] for r in rows])
+        fig.update_layout(title=f"Generation under a {result['budget_gb']} GB budget: tokens/s at the largest batch",
+                          yaxis_title="tokens / s")
+    paths = [out.with_suffix(".html")]
+    fig.write_html(paths[0])
+    try:
+        fig.write_image(out.with_suffix(".png"), width=1100, height=550)
+        paths.append(out.with_suffix(".png"))
+    except Exception as exc:                          # kaleido needs a Chrome/Chromium it can find
+        print(f"PNG skipped: {exc}", file=sys.stderr)
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backend.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=["attention", "generate", "plot"])
+    parser.add_argument("results", nargs="?", help="for plot: a results JSON written by --out")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU friendly, under a minute")
+    parser.add_argument("--out", type=Path, help="write results JSON here (and figures beside it)")
+    parser.add_argument("--batches", type=int, nargs="*")
+    parser.add_argument("--lengths", type=int, nargs="*")
+    parser.add_argument("--methods", nargs="*")
+    parser.add_argument("--budget-gb", type=float, default=80.0)
+    parser.add_argument("--prompt", type=int)
+    parser.add_argument("--new-tokens", type=int)
+    parser.add_argument("--batch", type=int, help="generate: force this batch instead of the largest that fits")
+    args = parser.parse_args(argv)
+    if args.kind == "plot":
+        result = json.loads(Path(args.results).read_text())
+        for path in write_figures(result, Path(args.results)):
+            print(path)
+        return 0
+    result = bench_attention(args) if args.kind == "attention" else bench_generate(args)
+    if result.get("copy_gbs"):
+        print(f"device-to-device copy: {result['copy_gbs']:.0f} GB/s (read + write)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        for path in write_figures(result, args.out):
+            print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
