@@ -94,11 +94,29 @@ def _encode(x, mask, scale, zero, levels):
 
 
 @triton.jit
-def _pack4(code, shifts):
-    """(A, B, 4) codes -> (A, B) bytes, element i of the last axis at bits 2i."""
-    return tl.sum((code & 3) << shifts, axis=2).to(tl.uint8)
+def _pack(c0, c1, c2, c3):
+    """Four 2-bit code tiles -> one byte tile, tile i at bits 2i (tile i holds element 4j+i of the packed dim)."""
+    return ((c0 & 3) | (c1 & 3) << 2 | (c2 & 3) << 4 | (c3 & 3) << 6).to(tl.uint8)
 
 
+@triton.jit
+def _min4(x0, x1, x2, x3, mask, axis: tl.constexpr):
+    big = float("inf")
+    lo = tl.minimum(tl.minimum(tl.where(mask, x0, big), tl.where(mask, x1, big)),
+                    tl.minimum(tl.where(mask, x2, big), tl.where(mask, x3, big)))
+    return tl.min(lo, axis=axis)
+
+
+@triton.jit
+def _max4(x0, x1, x2, x3, mask, axis: tl.constexpr):
+    small = float("-inf")
+    hi = tl.maximum(tl.maximum(tl.where(mask, x0, small), tl.where(mask, x1, small)),
+                    tl.maximum(tl.where(mask, x2, small), tl.where(mask, x3, small)))
+    return tl.max(hi, axis=axis)
+
+
+# The tiles are kept 2-D, one per position in a byte (no 3-D tensors or reshapes): Triton 3.6 fails to compile
+# the 3-D form of this kernel for head_dim 128 (a layout pass breaks SSA dominance).
 @triton.jit
 def _quantize_keys_kernel(x_ptr, idx_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
                           G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
@@ -106,26 +124,27 @@ def _quantize_keys_kernel(x_ptr, idx_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr
     pid = tl.program_id(0).to(tl.int64)                              # one (page, head)
     d = tl.arange(0, BLOCK_D)
     j = tl.arange(0, BLOCK_G4)
-    i = tl.arange(0, 4)
-    t = j[:, None] * 4 + i[None, :]                                  # token of (byte j, slot i)
     dmask = d < D
-    mask = dmask[:, None, None] & (t < G)[None, :, :]
-    x = tl.load(x_ptr + pid * G * D + t[None, :, :] * D + d[:, None, None], mask=mask, other=0.0).to(tl.float32)
-    mn = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=2), axis=1)
-    mx = tl.max(tl.max(tl.where(mask, x, float("-inf")), axis=2), axis=1)
+    mask = dmask[:, None] & (j < G // 4)[None, :]
+    src = x_ptr + pid * G * D + d[:, None] + (4 * j[None, :]) * D    # (channel, token 4j) tile; +i*D: token 4j+i
+    x0 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(src + D, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + 2 * D, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(src + 3 * D, mask=mask, other=0.0).to(tl.float32)
     idx = tl.load(idx_ptr + pid * D + d, mask=dmask, other=255).to(tl.int32)
     boosted = idx < NB
     levels = tl.where(boosted, 15.0, 3.0)
-    scale, zero = _params(mn, mx, levels)
-    code = _encode(x, mask, scale[:, None, None], zero[:, None, None], levels[:, None, None])
-    shifts = (i * 2)[None, None, :]
-    bmask = dmask[:, None] & (j < G // 4)[None, :]
-    tl.store(low_ptr + pid * D * (G // 4) + d[:, None] * (G // 4) + j[None, :], _pack4(code, shifts), mask=bmask)
+    scale, zero = _params(_min4(x0, x1, x2, x3, mask, 1), _max4(x0, x1, x2, x3, mask, 1), levels)
+    s, z, lv = scale[:, None], zero[:, None], levels[:, None]
+    c0 = _encode(x0, mask, s, z, lv)
+    c1 = _encode(x1, mask, s, z, lv)
+    c2 = _encode(x2, mask, s, z, lv)
+    c3 = _encode(x3, mask, s, z, lv)
+    tl.store(low_ptr + pid * D * (G // 4) + d[:, None] * (G // 4) + j[None, :], _pack(c0, c1, c2, c3), mask=mask)
     if NB > 0:
-        high = _pack4(code >> 2, shifts)
-        rows = tl.where(boosted, idx, 0)
-        tl.store(high_ptr + pid * NB * (G // 4) + rows[:, None] * (G // 4) + j[None, :], high,
-                 mask=bmask & boosted[:, None])
+        rows = tl.minimum(idx, NB - 1)[:, None]                      # masked below for unboosted channels
+        tl.store(high_ptr + pid * NB * (G // 4) + rows * (G // 4) + j[None, :],
+                 _pack(c0 >> 2, c1 >> 2, c2 >> 2, c3 >> 2), mask=mask & (rows == idx[:, None]))
     tl.store(scale_ptr + pid * D + d, scale, mask=dmask)
     tl.store(zero_ptr + pid * D + d, zero, mask=dmask)
 
@@ -137,22 +156,24 @@ def _quantize_values_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
     pid = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, BLOCK_G)
     c = tl.arange(0, BLOCK_D4)
-    i = tl.arange(0, 4)
-    ch = c[:, None] * 4 + i[None, :]                                 # channel of (byte c, slot i)
     tmask = t < G
-    mask = tmask[:, None, None] & (ch < D)[None, :, :]
-    x = tl.load(x_ptr + pid * G * D + t[:, None, None] * D + ch[None, :, :], mask=mask, other=0.0).to(tl.float32)
-    mn = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=2), axis=1)
-    mx = tl.max(tl.max(tl.where(mask, x, float("-inf")), axis=2), axis=1)
+    mask = tmask[:, None] & (c < D // 4)[None, :]
+    src = x_ptr + pid * G * D + t[:, None] * D + 4 * c[None, :]      # (token, channel 4c) tile; +i: channel 4c+i
+    x0 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + 2, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(src + 3, mask=mask, other=0.0).to(tl.float32)
     levels = 2.0 ** BITS - 1.0
-    scale, zero = _params(mn, mx, levels)
-    code = _encode(x, mask, scale[:, None, None], zero[:, None, None], levels)
-    shifts = (i * 2)[None, None, :]
-    bmask = tmask[:, None] & (c < D // 4)[None, :]
+    scale, zero = _params(_min4(x0, x1, x2, x3, mask, 1), _max4(x0, x1, x2, x3, mask, 1), levels)
+    s, z = scale[:, None], zero[:, None]
+    c0 = _encode(x0, mask, s, z, levels)
+    c1 = _encode(x1, mask, s, z, levels)
+    c2 = _encode(x2, mask, s, z, levels)
+    c3 = _encode(x3, mask, s, z, levels)
     offs = pid * G * (D // 4) + t[:, None] * (D // 4) + c[None, :]
-    tl.store(low_ptr + offs, _pack4(code, shifts), mask=bmask)
+    tl.store(low_ptr + offs, _pack(c0, c1, c2, c3), mask=mask)
     if BITS == 4:
-        tl.store(high_ptr + offs, _pack4(code >> 2, shifts), mask=bmask)
+        tl.store(high_ptr + offs, _pack(c0 >> 2, c1 >> 2, c2 >> 2, c3 >> 2), mask=mask)
     tl.store(scale_ptr + pid * G + t, scale, mask=tmask)
     tl.store(zero_ptr + pid * G + t, zero, mask=tmask)
 
