@@ -55,9 +55,15 @@ def decode_attention_ref(q: torch.Tensor, kv: PagedKV, sm_scale: float) -> torch
 
 # ---------------------------------------------------------------------------------------------- Triton
 @triton.jit
-def _unpack(packed, shifts):
-    """(A, B) bytes -> (A, B, 4) 2-bit codes, code i of a byte at bits 2i."""
-    return (packed[:, :, None].to(tl.int32) >> shifts) & 3
+def _codes_to(code, DOT: tl.constexpr):
+    """Integer codes (0..15) -> DOT floats without a slow int-to-float conversion: the code goes into the
+    mantissa of 1024 (fp16) or 128 (bf16) and that constant is subtracted, exactly."""
+    if DOT == tl.float16:
+        return (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    elif DOT == tl.bfloat16:
+        return (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
+    else:
+        return code.to(tl.float32)
 
 
 @triton.jit
@@ -69,15 +75,13 @@ def _decode_split_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, CK, CV, KMP, VMP,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        NB: tl.constexpr, V_BITS: tl.constexpr, NSPLIT: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr):
+        NB: tl.constexpr, V_BITS: tl.constexpr, NSPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    BLOCK_G: tl.constexpr = 4 * BLOCK_G4
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
-    BLOCK_D4: tl.constexpr = BLOCK_D // 4
 
     length = tl.load(seqlen_ptr + b)
     nkp = tl.load(nkp_ptr + b)
@@ -96,11 +100,16 @@ def _decode_split_kernel(
     qf = tl.load(q_ptr + (b * H * GROUP + qrow[:, None]).to(tl.int64) * D + d[None, :],
                  mask=(rows < GROUP)[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     q = qf.to(DOT)
-    tok = tl.arange(0, BLOCK_G)                         # token slot in a block: 4 * byte + code
-    j = tl.arange(0, BLOCK_G4)
-    c = tl.arange(0, BLOCK_D4)
-    i4 = tl.arange(0, 4)
-    shifts = (i4 * 2)[None, None, :]
+    tok = tl.arange(0, BLOCK_G)
+    tmask = tok < G
+    # Packed codes are read per element (4 neighbours share a byte, served by L1) and shifted into place: the
+    # tiles come out in the order the matrix units want, with no reshuffle of registers
+    k_byte = d[:, None] * G4 + (tok // 4)[None, :]          # key page (D, G/4): 4 consecutive tokens per byte
+    k_shift = ((tok % 4) * 2)[None, :]
+    k_mask = dmask[:, None] & tmask[None, :]
+    v_byte = tok[:, None] * D4 + (d // 4)[None, :]          # value page (G, D/4): 4 consecutive channels per byte
+    v_shift = ((d % 4) * 2)[None, :]
+    v_mask = tmask[:, None] & dmask[None, :]
     kv_head = (b * H + h).to(tl.int64)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -115,22 +124,20 @@ def _decode_split_kernel(
             kpg = tl.load(ktab_ptr + b * KMP + page).to(tl.int64) * H + h
             scale = tl.load(kscale_ptr + kpg * D + d, mask=dmask, other=0.0).to(tl.float32)
             zero = tl.load(kzero_ptr + kpg * D + d, mask=dmask, other=0.0).to(tl.float32)
-            bmask = dmask[:, None] & (j < G4)[None, :]
-            code = _unpack(tl.load(klow_ptr + kpg * D * G4 + d[:, None] * G4 + j[None, :], mask=bmask, other=0),
-                           shifts)
+            code = (tl.load(klow_ptr + kpg * D * G4 + k_byte, mask=k_mask, other=0).to(tl.int32) >> k_shift) & 3
             if NB > 0:
                 idx = tl.load(kidx_ptr + kpg * D + d, mask=dmask, other=255).to(tl.int32)
-                boosted = idx < NB
-                high = tl.load(khigh_ptr + kpg * NB * G4 + tl.where(boosted, idx, 0)[:, None] * G4 + j[None, :],
-                               mask=bmask & boosted[:, None], other=0)
-                code = code | (_unpack(high, shifts) << 2)
-            kt = tl.reshape(code, (BLOCK_D, BLOCK_G)).to(DOT)
-            s = tl.dot((qf * scale[None, :]).to(DOT), kt) + tl.sum(qf * zero[None, :], axis=1)[:, None]
+                hi_row = tl.minimum(idx, NB - 1)[:, None]      # masked below for channels kept at 2 bits
+                high = tl.load(khigh_ptr + kpg * NB * G4 + hi_row * G4 + (tok // 4)[None, :],
+                               mask=k_mask & (hi_row == idx[:, None]), other=0)
+                code = code | (((high.to(tl.int32) >> k_shift) & 3) << 2)
+            s = tl.dot((qf * scale[None, :]).to(DOT), _codes_to(code, DOT), input_precision=PREC)
+            s += tl.sum(qf * zero[None, :], axis=1)[:, None]
         else:
             kbase = tl.where(in_sink, blk * G, S + (page - nkp) * G)
             kt = tl.load(kfp_ptr + (kv_head * CK + kbase + tok[None, :]) * D + d[:, None],
                          mask=dmask[:, None] & (tok < n_valid)[None, :], other=0.0)
-            s = tl.dot(q, kt.to(DOT))
+            s = tl.dot(q, kt.to(DOT), input_precision=PREC)
         s = tl.where((tok < n_valid)[None, :], s * qk_scale, float("-inf"))
         # ---- online softmax (base 2: qk_scale carries log2(e))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -142,21 +149,19 @@ def _decode_split_kernel(
         # ---- values: value page (dequantized in registers) or full-precision values
         if (page >= 0) & (page < nvp):
             vpg = tl.load(vtab_ptr + b * VMP + page).to(tl.int64) * H + h
-            vscale = tl.load(vscale_ptr + vpg * G + tok, mask=tok < G, other=0.0).to(tl.float32)
-            vzero = tl.load(vzero_ptr + vpg * G + tok, mask=tok < G, other=0.0).to(tl.float32)
-            offs = vpg * G * D4 + tok[:, None] * D4 + c[None, :]
-            vmask = (tok < G)[:, None] & (c < D4)[None, :]
-            code = _unpack(tl.load(vlow_ptr + offs, mask=vmask, other=0), shifts)
+            vscale = tl.load(vscale_ptr + vpg * G + tok, mask=tmask, other=0.0).to(tl.float32)
+            vzero = tl.load(vzero_ptr + vpg * G + tok, mask=tmask, other=0.0).to(tl.float32)
+            code = (tl.load(vlow_ptr + vpg * G * D4 + v_byte, mask=v_mask, other=0).to(tl.int32) >> v_shift) & 3
             if V_BITS == 4:
-                code = code | (_unpack(tl.load(vhigh_ptr + offs, mask=vmask, other=0), shifts) << 2)
-            v = tl.reshape(code, (BLOCK_G, BLOCK_D)).to(DOT)
-            acc += tl.dot((p * vscale[None, :]).to(DOT), v)
+                high = tl.load(vhigh_ptr + vpg * G * D4 + v_byte, mask=v_mask, other=0).to(tl.int32)
+                code = code | (((high >> v_shift) & 3) << 2)
+            acc += tl.dot((p * vscale[None, :]).to(DOT), _codes_to(code, DOT), input_precision=PREC)
             acc += tl.sum(p * vzero[None, :], axis=1)[:, None]
         else:
             vbase = tl.where(in_sink, blk * G, S + (page - nvp) * G)
             v = tl.load(vfp_ptr + (kv_head * CV + vbase + tok[:, None]) * D + d[None, :],
                         mask=(tok < n_valid)[:, None] & dmask[None, :], other=0.0)
-            acc += tl.dot(p.to(DOT), v.to(DOT))
+            acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
 
     part = (b * H * GROUP + qrow).to(tl.int64) * NSPLIT + split
     rmask = rows < GROUP
@@ -180,6 +185,9 @@ def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, D: tl.constexpr, NSPLI
     w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+NUM_WARPS = 4
 
 
 def dot_dtype(dtype: torch.dtype):
@@ -219,8 +227,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         part_o, part_m, part_l, sm_scale * math.log2(math.e), kv.k_fp.shape[2], kv.v_fp.shape[2],
         kv.k_table.shape[1], kv.v_table.shape[1],
         H=h, GROUP=group, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, NSPLIT=num_splits,
-        DOT=dot_dtype(q.dtype), BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_G4=max(4, triton.next_power_of_2(g // 4)), num_warps=4)
+        DOT=dot_dtype(q.dtype), PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_G=max(16, triton.next_power_of_2(g)), num_warps=NUM_WARPS)
     out = torch.empty_like(q)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, D=d, NSPLIT=num_splits,
                                       BLOCK_D=triton.next_power_of_2(d),

@@ -116,14 +116,15 @@ def test_generate_works_for_each_family_and_gqa_ratio(arch, heads, kv_heads, hea
     ids = torch.randint(3, 256, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len)).to(DEVICE)
     cache = make_cache(model, "kitty")
     out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=12,
-                         do_sample=False, pad_token_id=0)
+                         min_new_tokens=12, do_sample=False, pad_token_id=0)
     assert out.shape == (1, prompt_len + 12)
     stats = cache.stats()
     assert stats.tokens == [prompt_len + 11] and len(stats.layers) == 2
     assert stats.key_pages == 2 * ((prompt_len + 11 - 32) // 128 if prompt_len > 32 else 0)
     torch.manual_seed(0)
     sampled = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=make_cache(model, "kitty"),
-                             max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20, pad_token_id=0)
+                             max_new_tokens=12, min_new_tokens=12, do_sample=True, temperature=0.8, top_k=20,
+                             pad_token_id=0)
     assert sampled.shape == (1, prompt_len + 12)
     # a 16-bit custom config runs the same code path with nothing quantized: DynamicCache's tokens exactly
     fp = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0,
