@@ -67,6 +67,12 @@ def _codes_to(code, DOT: tl.constexpr):
 
 
 @triton.jit
+def _unpack(packed, shifts):
+    """(A, B) bytes -> (A, B, 4) 2-bit codes, code i of a byte at bits 2i."""
+    return (packed[:, :, None].to(tl.int32) >> shifts) & 3
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, kfp_ptr, vfp_ptr,
         klow_ptr, khigh_ptr, kidx_ptr, kscale_ptr, kzero_ptr,
@@ -76,12 +82,15 @@ def _decode_split_kernel(
         qk_scale, CK, CV, KMP, VMP,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, NSPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
+    SUB4: tl.constexpr = SUB // 4
+    CHUNKS: tl.constexpr = (G + SUB - 1) // SUB      # a block of G tokens is read SUB tokens at a time
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
+    BLOCK_D4: tl.constexpr = BLOCK_D // 4
 
     length = tl.load(seqlen_ptr + b)
     nkp = tl.load(nkp_ptr + b)
@@ -89,9 +98,9 @@ def _decode_split_kernel(
     sink_len = tl.minimum(length, S)
     n_sink_blocks = tl.cdiv(sink_len, G)
     n_blocks = n_sink_blocks + nkp + tl.cdiv(length - sink_len - nkp * G, G)
-    per_split = tl.cdiv(n_blocks, NSPLIT)
+    per_split = tl.cdiv(n_blocks * CHUNKS, NSPLIT)
     start = split * per_split
-    end = tl.minimum(start + per_split, n_blocks)
+    end = tl.minimum(start + per_split, n_blocks * CHUNKS)
 
     rows = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
@@ -100,22 +109,20 @@ def _decode_split_kernel(
     qf = tl.load(q_ptr + (b * H * GROUP + qrow[:, None]).to(tl.int64) * D + d[None, :],
                  mask=(rows < GROUP)[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     q = qf.to(DOT)
-    tok = tl.arange(0, BLOCK_G)
-    tmask = tok < G
-    # Packed codes are read per element (4 neighbours share a byte, served by L1) and shifted into place: the
-    # tiles come out in the order the matrix units want, with no reshuffle of registers
-    k_byte = d[:, None] * G4 + (tok // 4)[None, :]          # key page (D, G/4): 4 consecutive tokens per byte
-    k_shift = ((tok % 4) * 2)[None, :]
-    k_mask = dmask[:, None] & tmask[None, :]
-    v_byte = tok[:, None] * D4 + (d // 4)[None, :]          # value page (G, D/4): 4 consecutive channels per byte
-    v_shift = ((d % 4) * 2)[None, :]
-    v_mask = tmask[:, None] & dmask[None, :]
+    slot = tl.arange(0, SUB)                            # token slot in a chunk: 4 * byte + code
+    j = tl.arange(0, SUB4)
+    c = tl.arange(0, BLOCK_D4)
+    i4 = tl.arange(0, 4)
+    shifts = (i4 * 2)[None, None, :]
     kv_head = (b * H + h).to(tl.int64)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for blk in range(start, end):
+    for chunk in range(start, end):
+        blk = chunk // CHUNKS
+        tok = (chunk % CHUNKS) * SUB + slot             # token slot in its block of G
+        jb = (chunk % CHUNKS) * SUB4 + j                # byte column of those tokens in a key page
         in_sink = blk < n_sink_blocks
         page = blk - n_sink_blocks                      # page slot for blocks after the sink
         n_valid = tl.where(in_sink, sink_len - blk * G, tl.where(page < nkp, G, length - S - page * G))
@@ -124,14 +131,18 @@ def _decode_split_kernel(
             kpg = tl.load(ktab_ptr + b * KMP + page).to(tl.int64) * H + h
             scale = tl.load(kscale_ptr + kpg * D + d, mask=dmask, other=0.0).to(tl.float32)
             zero = tl.load(kzero_ptr + kpg * D + d, mask=dmask, other=0.0).to(tl.float32)
-            code = (tl.load(klow_ptr + kpg * D * G4 + k_byte, mask=k_mask, other=0).to(tl.int32) >> k_shift) & 3
+            bmask = dmask[:, None] & (jb < G4)[None, :]
+            code = _unpack(tl.load(klow_ptr + kpg * D * G4 + d[:, None] * G4 + jb[None, :], mask=bmask, other=0),
+                           shifts)
             if NB > 0:
                 idx = tl.load(kidx_ptr + kpg * D + d, mask=dmask, other=255).to(tl.int32)
+                boosted = idx < NB
                 hi_row = tl.minimum(idx, NB - 1)[:, None]      # masked below for channels kept at 2 bits
-                high = tl.load(khigh_ptr + kpg * NB * G4 + hi_row * G4 + (tok // 4)[None, :],
-                               mask=k_mask & (hi_row == idx[:, None]), other=0)
-                code = code | (((high.to(tl.int32) >> k_shift) & 3) << 2)
-            s = tl.dot((qf * scale[None, :]).to(DOT), _codes_to(code, DOT), input_precision=PREC)
+                high = tl.load(khigh_ptr + kpg * NB * G4 + hi_row * G4 + jb[None, :],
+                               mask=bmask & (hi_row == idx[:, None]), other=0)
+                code = code | (_unpack(high, shifts) << 2)
+            kt = _codes_to(tl.reshape(code, (BLOCK_D, SUB)), DOT)
+            s = tl.dot((qf * scale[None, :]).to(DOT), kt, input_precision=PREC)
             s += tl.sum(qf * zero[None, :], axis=1)[:, None]
         else:
             kbase = tl.where(in_sink, blk * G, S + (page - nkp) * G)
@@ -141,21 +152,24 @@ def _decode_split_kernel(
         s = tl.where((tok < n_valid)[None, :], s * qk_scale, float("-inf"))
         # ---- online softmax (base 2: qk_scale carries log2(e))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a chunk past the valid tokens: all -inf, no NaN
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         m_i = m_new
         # ---- values: value page (dequantized in registers) or full-precision values
         if (page >= 0) & (page < nvp):
             vpg = tl.load(vtab_ptr + b * VMP + page).to(tl.int64) * H + h
-            vscale = tl.load(vscale_ptr + vpg * G + tok, mask=tmask, other=0.0).to(tl.float32)
-            vzero = tl.load(vzero_ptr + vpg * G + tok, mask=tmask, other=0.0).to(tl.float32)
-            code = (tl.load(vlow_ptr + vpg * G * D4 + v_byte, mask=v_mask, other=0).to(tl.int32) >> v_shift) & 3
+            vscale = tl.load(vscale_ptr + vpg * G + tok, mask=tok < G, other=0.0).to(tl.float32)
+            vzero = tl.load(vzero_ptr + vpg * G + tok, mask=tok < G, other=0.0).to(tl.float32)
+            offs = vpg * G * D4 + tok[:, None] * D4 + c[None, :]
+            vmask = (tok < G)[:, None] & (c < D4)[None, :]
+            code = _unpack(tl.load(vlow_ptr + offs, mask=vmask, other=0), shifts)
             if V_BITS == 4:
-                high = tl.load(vhigh_ptr + vpg * G * D4 + v_byte, mask=v_mask, other=0).to(tl.int32)
-                code = code | (((high >> v_shift) & 3) << 2)
-            acc += tl.dot((p * vscale[None, :]).to(DOT), _codes_to(code, DOT), input_precision=PREC)
+                code = code | (_unpack(tl.load(vhigh_ptr + offs, mask=vmask, other=0), shifts) << 2)
+            v = _codes_to(tl.reshape(code, (SUB, BLOCK_D)), DOT)
+            acc += tl.dot((p * vscale[None, :]).to(DOT), v, input_precision=PREC)
             acc += tl.sum(p * vzero[None, :], axis=1)[:, None]
         else:
             vbase = tl.where(in_sink, blk * G, S + (page - nvp) * G)
@@ -188,6 +202,14 @@ def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, D: tl.constexpr, NSPLI
 
 
 NUM_WARPS = 4
+SUB_TOKENS = 32          # tokens per inner step: small tiles keep the unpacked codes in registers
+
+
+def chunk_tokens(page_size: int) -> int:
+    """Inner-step width: SUB_TOKENS when it divides the page, else the whole (padded) page in one step."""
+    if page_size % SUB_TOKENS == 0:
+        return SUB_TOKENS
+    return max(16, triton.next_power_of_2(page_size))
 
 
 def dot_dtype(dtype: torch.dtype):
@@ -201,9 +223,12 @@ def dot_dtype(dtype: torch.dtype):
     return tl.float32
 
 
+PROGRAMS_PER_SM = 4
+
+
 def default_splits(batch: int, kv_heads: int, max_blocks: int, sm_count: int = 132) -> int:
-    """Enough slices to give every multiprocessor ~2 programs, never more slices than blocks."""
-    want = triton.cdiv(2 * sm_count, batch * kv_heads)
+    """Enough slices to give every multiprocessor a few programs, never more slices than blocks."""
+    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, batch * kv_heads)
     return max(1, min(want, max_blocks, 64))
 
 
@@ -229,7 +254,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         H=h, GROUP=group, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, NSPLIT=num_splits,
         DOT=dot_dtype(q.dtype), PREC="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_G=max(16, triton.next_power_of_2(g)), num_warps=NUM_WARPS)
+        SUB=chunk_tokens(g), num_warps=NUM_WARPS)
     out = torch.empty_like(q)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, D=d, NSPLIT=num_splits,
                                       BLOCK_D=triton.next_power_of_2(d),
