@@ -271,7 +271,7 @@ def run_generate(model, method, batch, prompt, new_tokens):
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, disable_compile=True,
                          stopping_criteria=StoppingCriteriaList([clock]))
     total = time.perf_counter() - start
     assert out.shape == (batch, prompt + new_tokens)

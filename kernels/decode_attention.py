@@ -55,18 +55,6 @@ def decode_attention_ref(q: torch.Tensor, kv: PagedKV, sm_scale: float) -> torch
 
 # ---------------------------------------------------------------------------------------------- Triton
 @triton.jit
-def _codes_to(code, DOT: tl.constexpr):
-    """Integer codes (0..15) -> DOT floats without a slow int-to-float conversion: the code goes into the
-    mantissa of 1024 (fp16) or 128 (bf16) and that constant is subtracted, exactly."""
-    if DOT == tl.float16:
-        return (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-    elif DOT == tl.bfloat16:
-        return (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
-    else:
-        return code.to(tl.float32)
-
-
-@triton.jit
 def _unpack(packed, shifts):
     """(A, B) bytes -> (A, B, 4) 2-bit codes, code i of a byte at bits 2i."""
     return (packed[:, :, None].to(tl.int32) >> shifts) & 3
@@ -82,12 +70,11 @@ def _decode_split_kernel(
         qk_scale, CK, CV, KMP, VMP,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, NSPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SUB: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    SUB4: tl.constexpr = SUB // 4
-    CHUNKS: tl.constexpr = (G + SUB - 1) // SUB      # a block of G tokens is read SUB tokens at a time
+    BLOCK_G: tl.constexpr = 4 * BLOCK_G4
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     BLOCK_D4: tl.constexpr = BLOCK_D // 4
@@ -98,9 +85,9 @@ def _decode_split_kernel(
     sink_len = tl.minimum(length, S)
     n_sink_blocks = tl.cdiv(sink_len, G)
     n_blocks = n_sink_blocks + nkp + tl.cdiv(length - sink_len - nkp * G, G)
-    per_split = tl.cdiv(n_blocks * CHUNKS, NSPLIT)
+    per_split = tl.cdiv(n_blocks, NSPLIT)
     start = split * per_split
-    end = tl.minimum(start + per_split, n_blocks * CHUNKS)
+    end = tl.minimum(start + per_split, n_blocks)
 
     rows = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
@@ -109,8 +96,8 @@ def _decode_split_kernel(
     qf = tl.load(q_ptr + (b * H * GROUP + qrow[:, None]).to(tl.int64) * D + d[None, :],
                  mask=(rows < GROUP)[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     q = qf.to(DOT)
-    slot = tl.arange(0, SUB)                            # token slot in a chunk: 4 * byte + code
-    j = tl.arange(0, SUB4)
+    tok = tl.arange(0, BLOCK_G)                         # token slot in a block: 4 * byte + code
+    j = tl.arange(0, BLOCK_G4)
     c = tl.arange(0, BLOCK_D4)
     i4 = tl.arange(0, 4)
     shifts = (i4 * 2)[None, None, :]
@@ -119,10 +106,7 @@ def _decode_split_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for chunk in range(start, end):
-        blk = chunk // CHUNKS
-        tok = (chunk % CHUNKS) * SUB + slot             # token slot in its block of G
-        jb = (chunk % CHUNKS) * SUB4 + j                # byte column of those tokens in a key page
+    for blk in range(start, end):
         in_sink = blk < n_sink_blocks
         page = blk - n_sink_blocks                      # page slot for blocks after the sink
         n_valid = tl.where(in_sink, sink_len - blk * G, tl.where(page < nkp, G, length - S - page * G))
@@ -131,17 +115,16 @@ def _decode_split_kernel(
             kpg = tl.load(ktab_ptr + b * KMP + page).to(tl.int64) * H + h
             scale = tl.load(kscale_ptr + kpg * D + d, mask=dmask, other=0.0).to(tl.float32)
             zero = tl.load(kzero_ptr + kpg * D + d, mask=dmask, other=0.0).to(tl.float32)
-            bmask = dmask[:, None] & (jb < G4)[None, :]
-            code = _unpack(tl.load(klow_ptr + kpg * D * G4 + d[:, None] * G4 + jb[None, :], mask=bmask, other=0),
+            bmask = dmask[:, None] & (j < G4)[None, :]
+            code = _unpack(tl.load(klow_ptr + kpg * D * G4 + d[:, None] * G4 + j[None, :], mask=bmask, other=0),
                            shifts)
             if NB > 0:
                 idx = tl.load(kidx_ptr + kpg * D + d, mask=dmask, other=255).to(tl.int32)
                 boosted = idx < NB
-                hi_row = tl.minimum(idx, NB - 1)[:, None]      # masked below for channels kept at 2 bits
-                high = tl.load(khigh_ptr + kpg * NB * G4 + hi_row * G4 + jb[None, :],
-                               mask=bmask & (hi_row == idx[:, None]), other=0)
+                high = tl.load(khigh_ptr + kpg * NB * G4 + tl.where(boosted, idx, 0)[:, None] * G4 + j[None, :],
+                               mask=bmask & boosted[:, None], other=0)
                 code = code | (_unpack(high, shifts) << 2)
-            kt = _codes_to(tl.reshape(code, (BLOCK_D, SUB)), DOT)
+            kt = tl.reshape(code, (BLOCK_D, BLOCK_G)).to(DOT)
             s = tl.dot((qf * scale[None, :]).to(DOT), kt, input_precision=PREC)
             s += tl.sum(qf * zero[None, :], axis=1)[:, None]
         else:
@@ -152,9 +135,8 @@ def _decode_split_kernel(
         s = tl.where((tok < n_valid)[None, :], s * qk_scale, float("-inf"))
         # ---- online softmax (base 2: qk_scale carries log2(e))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a chunk past the valid tokens: all -inf, no NaN
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         m_i = m_new
@@ -168,7 +150,7 @@ def _decode_split_kernel(
             code = _unpack(tl.load(vlow_ptr + offs, mask=vmask, other=0), shifts)
             if V_BITS == 4:
                 code = code | (_unpack(tl.load(vhigh_ptr + offs, mask=vmask, other=0), shifts) << 2)
-            v = _codes_to(tl.reshape(code, (SUB, BLOCK_D)), DOT)
+            v = tl.reshape(code, (BLOCK_G, BLOCK_D)).to(DOT)
             acc += tl.dot((p * vscale[None, :]).to(DOT), v, input_precision=PREC)
             acc += tl.sum(p * vzero[None, :], axis=1)[:, None]
         else:
@@ -201,17 +183,6 @@ def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, D: tl.constexpr, NSPLI
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-NUM_WARPS = 4
-SUB_TOKENS = 32          # tokens per inner step: small tiles keep the unpacked codes in registers
-
-
-def chunk_tokens(page_size: int) -> int:
-    """Inner-step width: SUB_TOKENS when it divides the page, else the whole (padded) page in one step."""
-    if page_size % SUB_TOKENS == 0:
-        return SUB_TOKENS
-    return max(16, triton.next_power_of_2(page_size))
-
-
 def dot_dtype(dtype: torch.dtype):
     """Operand type of the matrix products: the model's half type on a GPU. Triton's CPU interpreter computes
     bfloat16 arithmetic wrongly (numpy has no bfloat16), so interpreted bfloat16 runs use float32 operands."""
@@ -223,12 +194,9 @@ def dot_dtype(dtype: torch.dtype):
     return tl.float32
 
 
-PROGRAMS_PER_SM = 4
-
-
 def default_splits(batch: int, kv_heads: int, max_blocks: int, sm_count: int = 132) -> int:
-    """Enough slices to give every multiprocessor a few programs, never more slices than blocks."""
-    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, batch * kv_heads)
+    """Enough slices to give every multiprocessor ~2 programs, never more slices than blocks."""
+    want = triton.cdiv(2 * sm_count, batch * kv_heads)
     return max(1, min(want, max_blocks, 64))
 
 
@@ -254,7 +222,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         H=h, GROUP=group, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, NSPLIT=num_splits,
         DOT=dot_dtype(q.dtype), PREC="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(d),
-        SUB=chunk_tokens(g), num_warps=NUM_WARPS)
+        BLOCK_G4=max(4, triton.next_power_of_2(g // 4)), num_warps=4)
     out = torch.empty_like(q)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, D=d, NSPLIT=num_splits,
                                       BLOCK_D=triton.next_power_of_2(d),
