@@ -4,6 +4,7 @@ button runs), with the tab built inside a gr.Blocks."""
 from __future__ import annotations
 
 import sqlite3
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import gradio as gr
@@ -165,7 +166,8 @@ def test_no_handler_path_leaks_a_stack_trace(page_for):
     """Every bad input above ends in a status box: the handler never raises."""
     page = page_for()
     for kwargs in ({"prompt": ""}, {"max_new_tokens": -1}, {"methods": ()}, {"top_k": 1.5, "decoding": "sample"},
-                   {"methods": ("custom",), "custom": {"window": -1}}):
+                   {"methods": ("custom",), "custom": {"window": -1}}, {"seed": float("nan")},
+                   {"temperature": None}, {"methods": ("custom",), "custom": {"alpha": "lots"}}):
         out = send(page, **kwargs)
         assert "kitty-error" in status_of(page, out), kwargs
         assert "Traceback" not in status_of(page, out)
@@ -226,6 +228,42 @@ def test_history_messages_for_unknown_runs_and_export(default_model, tmp_path):
     assert [row[0] for row in rows] == [slug] and "1 run(s)" in message
     rows, *_ = history.search("kivi-k4v4", "any", None, None)
     assert rows == []
+    today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0, tzinfo=None)
+    rows, *_ = history.search("any", "SmolLM2-135M-Instruct", today, today)     # a picked date is the whole day
+    assert [row[0] for row in rows] == [slug]
+    rows, *_ = history.search("any", "any", None, today - timedelta(days=1))
+    assert rows == []
     csv_update, message = history.export("any", "any", None, None)
     assert "Exported 2 row(s)" in message
     assert Path(csv_update["value"]).read_text().count(slug) == 2
+
+
+def test_the_service_binds_locally_unless_told_otherwise(monkeypatch):
+    from app.config import parse_args
+    for name in ("KITTY_HOST", "GRADIO_SERVER_NAME", "KITTY_PORT", "GRADIO_SERVER_PORT", "KITTY_ALLOW_ANY_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    config = parse_args([])
+    assert (config.host, config.port, config.share, config.allow_any_model) == ("127.0.0.1", 7860, False, False)
+    assert parse_args(["--host", "0.0.0.0", "--port", "8000"]).host == "0.0.0.0"
+    monkeypatch.setenv("GRADIO_SERVER_NAME", "0.0.0.0")          # what Hugging Face Spaces sets
+    assert parse_args([]).host == "0.0.0.0"
+    monkeypatch.setenv("KITTY_HOST", "127.0.0.2")
+    monkeypatch.setenv("KITTY_ALLOW_ANY_MODEL", "1")
+    monkeypatch.setenv("KITTY_MAX_NEW_TOKENS", "256")
+    config = parse_args([])
+    assert (config.host, config.allow_any_model, config.max_new_tokens_cap) == ("127.0.0.2", True, 256)
+
+
+def test_only_the_latest_comparisons_keep_their_caches(page_for, monkeypatch):
+    monkeypatch.setattr(compare_tab, "KEEP_CACHES", 1)
+    page = page_for()
+    sessions = [CompareSession(), CompareSession()]
+    for session in sessions:
+        for _ in page.send(session, "Name a colour.", ["kitty"], *CUSTOM.values(), *GENERATION.values(), "",
+                           "kitty", 3, 0, *[[] for _ in PANE_METHODS]):
+            pass
+    old, new = (s.comparison for s in sessions)
+    assert old.released and old.key_magnitudes("kitty", 3) is None
+    assert not new.released and new.key_magnitudes("kitty", 3) is not None
+    figures = compare_tab.live_figures(old, "kitty", 3, 0)
+    assert "freed to save memory" in str(figures[1].to_dict())

@@ -69,6 +69,8 @@ def test_three_methods_stream_concurrently_with_metrics(default_model):
     cached = final["kitty"].prompt_tokens + final["kitty"].n_tokens - 1
     assert magnitudes.layer == 3 and tuple(magnitudes.values.shape) == (3, cached, 64)
     assert (magnitudes.values >= 0).all()
+    comparison.release()                                         # frees the caches, keeps the answers
+    assert comparison.key_magnitudes("kitty", 3) is None and comparison.snapshots()["kitty"].text == final["kitty"].text
 
 
 def test_a_method_out_of_memory_reports_while_the_others_finish(default_model, monkeypatch):

@@ -1,0 +1,234 @@
+"""The History tab: past runs from the database, filtered by method, model and date; one run reopened with its
+answers, metrics and plots; CSV export. A permalink (/?run=<slug>) opens this tab on that run."""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from html import escape
+
+import gradio as gr
+
+from storage import RunDetail, StorageError
+
+from . import plots
+from .render import fmt_bytes, fmt_ratio, permalink_html, status_html
+from .runlog import stored_boost
+from .services import Services
+
+ANY = "any"
+RUN_COLUMNS = ["run", "when (UTC)", "model", "methods", "status", "prompt"]
+METRIC_COLUMNS = ["method", "status", "tokens", "tok/s", "first token (s)", "KV cache", "vs FP16", "bits K / V",
+                  "peak memory", "agreement with FP16", "error"]
+LIST_LIMIT = 200
+
+
+@dataclass
+class OpenRun:
+    """The run on screen (a gr.State), with its page stats regrouped per method and layer for the plots."""
+
+    detail: RunDetail | None = None
+    boost: dict = field(default_factory=dict)      # method -> {layer: (masks, magnitudes) (pages, H, D)}
+
+
+def _utc(value) -> datetime | None:
+    if value in (None, ""):
+        return None
+    if isinstance(value, (int, float)):
+        return datetime.fromtimestamp(value, timezone.utc)
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def date_range(since, until) -> tuple[datetime | None, datetime | None]:
+    """A date picked without a time means the whole day: 'until' then runs to that day's end."""
+    since, until = _utc(since), _utc(until)
+    if until is not None and (until.hour, until.minute, until.second) == (0, 0, 0):
+        until += timedelta(days=1, microseconds=-1)
+    return since, until
+
+
+def metrics_rows(detail: RunDetail) -> list[list]:
+    rows = []
+    for r in detail.results:
+        ratio = r.kv_bytes / r.fp16_bytes if r.kv_bytes and r.fp16_bytes else None
+        rows.append([r.method, r.metrics.get("status", "error" if r.error else "done"), r.n_tokens,
+                     None if r.tokens_per_s is None else round(r.tokens_per_s, 2),
+                     None if r.ttft_s is None else round(r.ttft_s, 3), fmt_bytes(r.kv_bytes), fmt_ratio(ratio),
+                     f"{r.key_bits:.1f} / {r.value_bits:.1f}" if r.key_bits is not None else "–",
+                     fmt_bytes(r.peak_memory_bytes),
+                     "–" if r.agreement is None else f"{r.agreement:.0%}", r.error or ""])
+    return rows
+
+
+def run_header_html(detail: RunDetail) -> str:
+    when = detail.created_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    generation = detail.settings.get("generation", {})
+    mode = "sampling" if generation.get("sample") else "greedy"
+    turns = sum(m.get("role") == "user" for m in detail.messages)
+    return (f'<div class="kitty-run-head"><h3>Run {escape(detail.slug)}{permalink_html(detail.slug)}</h3>'
+            f'<div>{escape(when)} · {escape(detail.model)} · status {escape(detail.status)} · {mode}, '
+            f'{generation.get("max_new_tokens", "?")} new tokens max, seed {generation.get("seed", "?")} · '
+            f'turn {turns} of the chat</div>'
+            f'<div class="kitty-prompt"><b>Prompt:</b> {escape(detail.prompt)}</div></div>')
+
+
+def answers_html(detail: RunDetail) -> str:
+    """Every method's answer side by side, in its colour."""
+    cards = []
+    for r in detail.results:
+        error = f'<div class="kitty-pane-error">✕ {escape(r.error)}</div>' if r.error else ""
+        cards.append(f'<div class="kitty-card" style="border-top-color:{plots.color(r.method)}">'
+                     f'<div class="kitty-card-title">{escape(r.method)}</div>{error}'
+                     f'<div class="kitty-answer">{escape(r.output_text) or "<i>(no text)</i>"}</div></div>')
+    return f'<div class="kitty-cards">{"".join(cards)}</div>'
+
+
+def stored_figures(run: OpenRun, method: str, layer: int, head: int) -> list:
+    """Boost mask, per-page key magnitudes, KV bytes and speed of a stored run."""
+    if run.detail is None:
+        return [plots.empty_figure(t, "Open a run to see this plot.") for t in
+                ("Boost mask", "Key magnitudes", "KV cache size", "Decode speed")]
+    layers = run.boost.get(method, {})
+    if layer in layers:
+        masks, magnitudes = layers[layer]
+        head = min(head, masks.shape[1] - 1)
+        mask_fig = plots.boost_mask_figure(masks[:, head], method, layer, head)
+        magnitude_fig = plots.magnitude_figure(magnitudes[:, head], method, layer, head, per_page=True,
+                                               note="per-token maps are live only")
+    else:
+        why = (f"{method} stored no key pages in layer {layer}: page stats are kept for methods with boosted "
+               f"channels once a page forms.")
+        mask_fig = plots.empty_figure(f"Boost mask · {method} · layer {layer}", why)
+        magnitude_fig = plots.empty_figure(f"Key magnitudes · {method} · layer {layer}", why)
+    timelines = {r.method: r.metrics.get("timeline", []) for r in run.detail.results}
+    bytes_series = {m: ([p[0] for p in t], [p[2] for p in t]) for m, t in timelines.items()}
+    speed_series = {m: ([p[0] for p in t if p[3]], [p[3] for p in t if p[3]]) for m, t in timelines.items()}
+    return [mask_fig, magnitude_fig, plots.kv_bytes_figure(bytes_series), plots.speed_figure(speed_series)]
+
+
+@dataclass
+class HistoryPage:
+    services: Services
+    filters: list                 # method, model, since, until
+    table: gr.Dataframe
+    message: gr.HTML
+    run_state: gr.State
+    slug_box: gr.Textbox
+    header: gr.HTML
+    answers: gr.HTML
+    metrics: gr.Dataframe
+    plot_controls: list           # method, layer, head
+    figures: list
+    csv_file: gr.File
+
+    @property
+    def view_outputs(self) -> list:
+        return [self.run_state, self.message, self.slug_box, self.header, self.answers, self.metrics,
+                self.plot_controls[0], *self.figures]
+
+    def search(self, method, model, since, until):
+        """The filtered run list, with fresh filter choices."""
+        db = self.services.runlog
+        try:
+            start, end = date_range(since, until)
+            runs = db.database().list_runs(method=None if method in (None, ANY) else method,
+                                           model=None if model in (None, ANY) else model, since=start, until=end,
+                                           limit=LIST_LIMIT)
+            methods, models = db.database().distinct_methods(), db.database().distinct_models()
+        except StorageError as exc:
+            return [], status_html("warning", f"The history is unavailable: {exc}"), gr.update(), gr.update()
+        rows = [[r.slug, r.created_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M"), r.model,
+                 ", ".join(r.methods), r.status, r.prompt] for r in runs]
+        shown = f"the newest {LIST_LIMIT} runs" if len(rows) == LIST_LIMIT else f"{len(rows)} run(s)"
+        note = status_html("info", f"{shown}. Click a row to open it.")
+        return (rows, note, gr.update(choices=[ANY, *methods]), gr.update(choices=[ANY, *models]))
+
+    def open_run(self, slug: str | None, method=None, layer=10, head=0):
+        """Everything shown for one run (outputs in the order of view_outputs)."""
+        slug = (slug or "").strip()
+        blank = [OpenRun(), None, slug, "", "", [], gr.update(), *stored_figures(OpenRun(), "", 0, 0)]
+        if not slug:
+            blank[1] = status_html("error", "Type a run id (the part after ?run= in a permalink).")
+            return blank
+        try:
+            detail = self.services.runlog.get(slug)
+        except StorageError as exc:
+            blank[1] = status_html("warning", f"Could not open the run: {exc}")
+            return blank
+        if detail is None:
+            blank[1] = status_html("error", f"No run {slug!r} in this database.")
+            return blank
+        run = OpenRun(detail, {r.method: stored_boost(r) for r in detail.results})
+        methods = [r.method for r in detail.results]
+        boosted = [m for m in methods if run.boost.get(m)]
+        method = method if method in methods else (boosted or methods)[0]
+        return [run, status_html("ok", f"Run {detail.slug} opened."), detail.slug, run_header_html(detail),
+                answers_html(detail), metrics_rows(detail), gr.update(choices=methods, value=method),
+                *stored_figures(run, method, int(layer), int(head))]
+
+    def select_row(self, table, plot_method, layer, head, evt: gr.SelectData):
+        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+        slug = table.iloc[row, 0] if hasattr(table, "iloc") else table[row][0]
+        return self.open_run(slug, plot_method, layer, head)
+
+    def export(self, method, model, since, until):
+        try:
+            start, end = date_range(since, until)
+            path = tempfile.NamedTemporaryFile(prefix="kitty-runs-", suffix=".csv", delete=False).name
+            count = self.services.runlog.database().export_csv(
+                path, method=None if method in (None, ANY) else method,
+                model=None if model in (None, ANY) else model, since=start, until=end)
+        except StorageError as exc:
+            return gr.update(visible=False), status_html("warning", f"Export failed: {exc}")
+        return gr.update(value=path, visible=True), status_html("ok", f"Exported {count} row(s), one per method.")
+
+    def redraw(self, run: OpenRun, method, layer, head):
+        return stored_figures(run, method, int(layer), int(head))
+
+
+def build(services: Services) -> HistoryPage:
+    text_config = services.models.default[0].config.get_text_config()
+    layers, kv_heads = text_config.num_hidden_layers, text_config.num_key_value_heads
+    with gr.Row(equal_height=True):
+        method = gr.Dropdown([ANY], value=ANY, label="Method", allow_custom_value=False, min_width=140)
+        model = gr.Dropdown([ANY], value=ANY, label="Model", min_width=180)
+        since = gr.DateTime(label="From (UTC)", include_time=False, type="datetime", timezone="UTC")
+        until = gr.DateTime(label="To (UTC)", include_time=False, type="datetime", timezone="UTC")
+        with gr.Column(min_width=150):
+            search = gr.Button("Search", variant="primary", elem_id="history-search")
+            export = gr.Button("Export CSV", elem_id="history-export")
+    csv_file = gr.File(label="CSV export", visible=False, elem_id="history-csv")
+    message = gr.HTML("", elem_id="history-status")
+    table = gr.Dataframe(headers=RUN_COLUMNS, value=[], interactive=False, wrap=True, max_height=330,
+                         column_widths=["9%", "11%", "14%", "20%", "7%", "39%"], elem_id="history-table",
+                         label="Runs (newest first): click one to open it")
+    with gr.Row(equal_height=True):
+        slug_box = gr.Textbox(label="Open a run by id", placeholder="e.g. aB3dE5gH7j", scale=4, elem_id="run-id")
+        open_button = gr.Button("Open", scale=1, elem_id="open-run")
+    run_state = gr.State(OpenRun())
+    header = gr.HTML("", elem_id="run-header")
+    answers = gr.HTML("", elem_id="run-answers")
+    metrics = gr.Dataframe(headers=METRIC_COLUMNS, value=[], interactive=False, wrap=True, label="Metrics",
+                           elem_id="run-metrics")
+    with gr.Row():
+        plot_method = gr.Dropdown([], label="Method", scale=1, elem_id="history-plot-method")
+        layer = gr.Slider(0, layers - 1, value=min(10, layers - 1), step=1, label="Layer", scale=2)
+        head = gr.Slider(0, kv_heads - 1, value=0, step=1, label="KV head", scale=2)
+    with gr.Row():
+        mask_plot = gr.Plot(label="Boost mask", elem_id="history-boost-plot")
+        magnitude_plot = gr.Plot(label="Key magnitudes per page")
+    with gr.Row():
+        bytes_plot = gr.Plot(label="KV bytes over time")
+        speed_plot = gr.Plot(label="Tokens per second")
+
+    page = HistoryPage(services, [method, model, since, until], table, message, run_state, slug_box, header,
+                       answers, metrics, [plot_method, layer, head],
+                       [mask_plot, magnitude_plot, bytes_plot, speed_plot], csv_file)
+    search.click(page.search, page.filters, [table, message, method, model], api_visibility="private")
+    export.click(page.export, page.filters, [csv_file, message], api_visibility="private")
+    table.select(page.select_row, [table, plot_method, layer, head], page.view_outputs, api_visibility="private")
+    gr.on([open_button.click, slug_box.submit], page.open_run, [slug_box, plot_method, layer, head],
+          page.view_outputs, api_visibility="private")
+    gr.on([plot_method.change, layer.release, head.release], page.redraw, [run_state, plot_method, layer, head],
+          page.figures, show_progress="hidden", api_visibility="private")
+    return page

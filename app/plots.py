@@ -1,0 +1,142 @@
+"""Plotly figures of the page, built from plain arrays so live runs, stored runs and the teaching suite share them.
+
+Large fonts and few colours, because a class may read them off a projector. Each method keeps one colour
+everywhere (pane header, lines, bars), so a line is easy to match with its answer.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+METHOD_COLORS = {
+    "fp16": "#4C78A8", "kivi-k2v2": "#E45756", "kivi-k2v2*": "#FF9DA6", "kivi-k2v4*": "#B279A2",
+    "kivi-k4v2*": "#9D755D", "kivi-k4v4": "#72B7B2", "kitty": "#F58518", "kitty-pro": "#54A24B", "custom": "#7F7F7F",
+}
+MAX_TOKEN_COLUMNS = 1024         # wider magnitude maps are averaged into this many token bins
+FONT = dict(size=15)
+
+
+def color(method: str) -> str:
+    return METHOD_COLORS.get(method, "#7F7F7F")
+
+
+def _layout(fig: go.Figure, title: str, height: int = 340) -> go.Figure:
+    fig.update_layout(template="plotly_white", title=dict(text=title, font=dict(size=16)), font=FONT,
+                      height=height, margin=dict(l=60, r=20, t=60, b=50), legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def empty_figure(title: str, message: str, height: int = 340) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                       font=dict(size=15, color="#666"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _layout(fig, title, height)
+
+
+def boost_mask_figure(mask: np.ndarray | None, method: str, layer: int, head: int) -> go.Figure:
+    """Which key channels of each page were stored at 4 bits: channels x pages, for one layer and KV head."""
+    title = f"Boost mask · {method} · layer {layer} · KV head {head}"
+    if mask is None or mask.shape[0] == 0:
+        return empty_figure(title, "No key page yet: a page forms every 128 tokens after the 32-token sink.")
+    z = mask.T.astype(int)                                   # (D, pages)
+    pages = np.arange(1, mask.shape[0] + 1)
+    fig = go.Figure(go.Heatmap(
+        z=z, x=pages, y=np.arange(z.shape[0]), zmin=0, zmax=1, xgap=2,
+        colorscale=[[0, "#dde3ea"], [0.5, "#dde3ea"], [0.5, "#F58518"], [1, "#F58518"]],
+        colorbar=dict(tickvals=[0.25, 0.75], ticktext=["2-bit", "4-bit"], len=0.6),
+        hovertemplate="page %{x}, channel %{y}: %{z}<extra></extra>"))
+    fig.update_xaxes(title="key page", dtick=1)
+    fig.update_yaxes(title="channel")
+    boosted = int(mask[-1].sum())
+    return _layout(fig, f"{title} · {boosted} of {mask.shape[1]} channels boosted per page")
+
+
+def magnitude_figure(magnitudes: np.ndarray | None, method: str, layer: int, head: int, *,
+                     boundaries: Sequence[int] = (), per_page: bool = False, note: str = "") -> go.Figure:
+    """|K| per channel, across tokens (the paper's Figure 2a) or, for stored runs, per page (mean over its
+    tokens). `magnitudes` is (tokens or pages, D); `boundaries` are token positions where a page starts."""
+    what = "mean |K| per page" if per_page else "|K| per token"
+    title = f"Key magnitudes ({what}) · {method} · layer {layer} · KV head {head}"
+    if magnitudes is None or magnitudes.shape[0] == 0:
+        return empty_figure(title, note or "No keys yet.")
+    z = np.asarray(magnitudes, dtype=np.float32)
+    x = np.arange(1, z.shape[0] + 1) if per_page else np.arange(z.shape[0])
+    if not per_page and z.shape[0] > MAX_TOKEN_COLUMNS:        # keep the figure light for the browser
+        bins = np.array_split(np.arange(z.shape[0]), MAX_TOKEN_COLUMNS)
+        x = np.array([b[0] for b in bins])
+        z = np.stack([z[b].mean(0) for b in bins])
+    fig = go.Figure(go.Heatmap(z=np.round(z.T, 3), x=x, y=np.arange(z.shape[1]), colorscale="Inferno",
+                               colorbar=dict(title="|K|", len=0.8),
+                               hovertemplate=("page" if per_page else "token") +
+                               " %{x}, channel %{y}: %{z}<extra></extra>"))
+    for position in boundaries:
+        fig.add_vline(x=position - 0.5, line=dict(color="#4fc3f7", width=1, dash="dot"))
+    fig.update_xaxes(title="key page" if per_page else "token position", dtick=1 if per_page else None)
+    fig.update_yaxes(title="channel")
+    return _layout(fig, title + (f" · {note}" if note else ""))
+
+
+def lines_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], title: str, x_title: str,
+                 y_title: str, empty: str) -> go.Figure:
+    """One line per method, in the method's colour."""
+    if not any(len(x) for x, _ in series.values()):
+        return empty_figure(title, empty)
+    fig = go.Figure()
+    for method, (x, y) in series.items():
+        fig.add_trace(go.Scatter(x=list(x), y=list(y), mode="lines", name=method,
+                                 line=dict(color=color(method), width=3)))
+    fig.update_xaxes(title=x_title)
+    fig.update_yaxes(title=y_title, rangemode="tozero")
+    return _layout(fig, title)
+
+
+def kv_bytes_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]) -> go.Figure:
+    """KV cache size over time: `series` maps a method to (seconds, bytes)."""
+    megabytes = {m: (x, [b / 1e6 for b in y]) for m, (x, y) in series.items()}
+    return lines_figure(megabytes, "KV cache size while generating", "seconds since start", "MB",
+                        "Sizes appear as tokens arrive.")
+
+
+def speed_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]) -> go.Figure:
+    """Decode speed over time (rolling over the last few tokens): `series` maps a method to (seconds, tok/s)."""
+    return lines_figure(series, "Decode speed (tokens/s, rolling)", "seconds since start", "tokens/s",
+                        "Speeds appear as tokens arrive.")
+
+
+def suite_figure(records: Sequence[Mapping]) -> go.Figure:
+    """The teaching suite: KL from FP16, top-1 agreement and perplexity per method, as bars."""
+    panels = [("KL vs FP16 (nats/token)", "KL from FP16 ↓"), ("top-1 agreement with FP16", "agreement with FP16 ↑"),
+              ("perplexity", "perplexity ↓")]
+    fig = make_subplots(rows=1, cols=3, subplot_titles=[title for _, title in panels], horizontal_spacing=0.08)
+    methods = [r["method"] for r in records]
+    for col, (key, _) in enumerate(panels, start=1):
+        fig.add_trace(go.Bar(x=methods, y=[r[key] for r in records], marker_color=[color(m) for m in methods],
+                             showlegend=False, text=[f"{r[key]:.3g}" for r in records], textposition="outside",
+                             cliponaxis=False), row=1, col=col)
+    fig.update_yaxes(rangemode="tozero")
+    _layout(fig, "Why 2-bit collapses: quality of each cache on the same text", height=420)
+    fig.update_layout(margin=dict(t=90))
+    return fig
+
+
+def sweep_figure(records: Sequence[Mapping]) -> go.Figure:
+    """KL from FP16 against the boosted share of key channels, magnitude vs random selection (Figure 4)."""
+    fig = go.Figure()
+    for selection, colour in (("magnitude", "#F58518"), ("random", "#7F7F7F")):
+        rows = [r for r in records if r["selection"] == selection]
+        if rows:
+            fig.add_trace(go.Scatter(x=[100 * r["boost fraction"] for r in rows],
+                                     y=[r["KL vs FP16 (nats/token)"] for r in rows], mode="lines+markers",
+                                     name=f"{selection} selection", line=dict(color=colour, width=3),
+                                     marker=dict(size=10)))
+    for share, name in ((12.5, "Kitty"), (25, "Kitty-Pro")):
+        fig.add_vline(x=share, line=dict(color="#aaa", dash="dot"), annotation_text=name,
+                      annotation_position="top")
+    fig.update_xaxes(title="key channels boosted to 4 bits (%)")
+    fig.update_yaxes(title="KL from FP16 (nats/token)", rangemode="tozero")
+    return _layout(fig, "Boost sweep: which channels you protect matters (paper Figure 4)", height=420)

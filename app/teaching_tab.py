@@ -1,0 +1,179 @@
+"""The Teaching tab: "why 2-bit collapses". One click runs backend.teaching's suite on the loaded model and
+shows a table and bars; a second runs the boost sweep (the paper's Figure 4). Progress streams while they run;
+a finished result is remembered, so showing it again to the next class is instant."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import gradio as gr
+
+from backend import teaching
+from backend.analysis import bundled_text
+from backend.engine import InputError, resolve_methods
+from backend.methods import METHODS
+
+from . import plots
+from .render import status_html
+from .services import Services
+
+DEFAULT_SUITE_METHODS = ["kivi-k4v4", "kivi-k2v2", "kivi-k2v2*", "kitty"]
+DEPTHS = {"10%": 0.1, "50%": 0.5, "90%": 0.9}
+FRACTIONS = {"0%": 0.0, "12.5%": 0.125, "25%": 0.25, "50%": 0.5, "100%": 1.0}
+INTRO = """### Why uniform 2-bit KV quantization collapses, and how Kitty fixes it
+A KV cache stores every token's keys and values. Storing them in 2 bits instead of 16 saves 8x memory, but a
+few **key channels** have much larger values than the rest (see the magnitude plot on the Compare tab); squeezed
+into 4 levels they lose most of their information, and attention goes wrong. **KIVI-K4V4** (4 bits) barely
+changes the model; **KIVI-K2V2** (2 bits) drifts away from it. **Kitty** keeps 2 bits but stores the top 12.5%
+of channels of each 128-token page (by magnitude) at 4 bits, and lands close to 4-bit quality.
+
+The suite reads a fixed English text (Alice in Wonderland) one token at a time through each cache and compares
+the next-token predictions with FP16: **KL divergence** (0 = identical), **top-1 agreement** and **perplexity**;
+then it hides a 5-digit pass key in filler text and asks for it. *Bits/element in full pages* is what each
+method's pages cost, metadata included (what a long chat tends to); *allocated KV vs FP16* is measured on this
+text, where full-precision buffers (the model's dtype: float32 on a CPU) still dominate. On a CPU each method
+needs about 6-7 s per 100 tokens; methods run three at a time."""
+
+
+def progress_html(fraction: float, message: str, started: float) -> str:
+    return (f'<div class="kitty-progress"><div class="kitty-bar" style="width:{100 * fraction:.1f}%"></div></div>'
+            f'<div class="kitty-progress-text">{fraction:.0%} · {message} · {time.monotonic() - started:.0f} s</div>')
+
+
+def stream_job(job: Callable[[Callable[[float, str], None]], object]) -> Iterator[tuple]:
+    """Run job(progress) in a thread; yield ("progress", fraction, message) while it runs, then ("done", result)
+    or ("error", message). The Gradio handler stays a plain generator that streams progress."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+
+    def work():
+        try:
+            events.put(("done", job(lambda fraction, message: events.put(("progress", fraction, message)))))
+        except InputError as exc:
+            events.put(("error", str(exc)))
+        except Exception as exc:                      # shown in the page, not as a stack trace
+            events.put(("error", f"{type(exc).__name__}: {exc}"))
+
+    threading.Thread(target=work, name="teaching", daemon=True).start()
+    last = ("progress", 0.0, "starting")
+    while True:
+        event = events.get()
+        if event[0] != "progress":
+            yield event
+            return
+        last = event
+        while not events.empty():                     # only the newest progress matters
+            event = events.get()
+            if event[0] != "progress":
+                yield last
+                yield event
+                return
+            last = event
+        yield last
+        time.sleep(0.25)
+
+
+@dataclass
+class TeachingPage:
+    services: Services
+    suite_inputs: list
+    suite_outputs: list
+    sweep_inputs: list
+    sweep_outputs: list
+
+    def __post_init__(self):
+        self._results: dict[tuple, teaching.Table] = {}
+
+    def _run(self, key: tuple, job, render) -> Iterator[list]:
+        """Stream a job's progress into [progress, table, plot]; remember its result under `key`."""
+        if key in self._results:
+            yield [status_html("ok", "Shown from an earlier run with the same settings (same model, same "
+                                     "inputs, same numbers)."), *render(self._results[key])]
+            return
+        started = time.monotonic()
+        for event in stream_job(job):
+            if event[0] == "progress":
+                yield [progress_html(event[1], event[2], started), gr.update(), gr.update()]
+            elif event[0] == "error":
+                yield [status_html("error", event[1]), gr.update(), gr.update()]
+            else:
+                self._results[key] = event[1]
+                yield [status_html("ok", f"Finished in {time.monotonic() - started:.0f} s."), *render(event[1])]
+
+    def run_suite(self, methods, text_tokens, depths):
+        model, tokenizer = self.services.models.default
+        try:
+            configs = resolve_methods([m for m in methods or [] if m != "fp16"] or ["fp16"])
+            points = tuple(DEPTHS[d] for d in depths or [])
+            if not points:
+                raise InputError("Choose at least one pass-key depth.")
+            tokens = int(text_tokens)
+        except InputError as exc:
+            yield [status_html("error", str(exc)), gr.update(), gr.update()]
+            return
+        key = ("suite", model.kitty_model_name, tuple(configs), tokens, points)
+        yield from self._run(
+            key, lambda progress: teaching.run_suite(model, tokenizer, configs, text_tokens=tokens, depths=points,
+                                                     progress=progress),
+            lambda table: [table.rows, plots.suite_figure(table.records())])
+
+    def run_sweep(self, fractions, text_tokens):
+        model, tokenizer = self.services.models.default
+        try:
+            points = tuple(sorted(FRACTIONS[f] for f in fractions or []))
+            if len(points) < 2:
+                raise InputError("Choose at least two boost fractions to draw a curve.")
+            ids = teaching.text_ids(tokenizer, int(text_tokens))
+        except InputError as exc:
+            yield [status_html("error", str(exc)), gr.update(), gr.update()]
+            return
+        key = ("sweep", model.kitty_model_name, points, int(text_tokens))
+        yield from self._run(
+            key, lambda progress: teaching.boost_sweep(model, ids, fractions=points, progress=progress),
+            lambda table: [table.rows, plots.sweep_figure(table.records())])
+
+
+def build(services: Services) -> TeachingPage:
+    tokenizer = services.models.default[1]
+    max_tokens = tokenizer(bundled_text(), return_tensors="pt")["input_ids"].shape[1]
+    gr.Markdown(INTRO)
+    text_tokens = gr.Slider(teaching.MIN_TEXT_TOKENS, max_tokens, value=teaching.DEFAULT_TEXT_TOKENS, step=1,
+                            label="Text length (tokens)", elem_id="teaching-tokens",
+                            info=f"at least {teaching.MIN_TEXT_TOKENS}: sink 32 + one 128-token key page + the "
+                                 f"128-token value window, so that 2-bit pages exist; longer = slower, clearer")
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=300):
+            gr.Markdown("#### 1 · The quality suite")
+            methods = gr.CheckboxGroup([m for m in METHODS if m != "fp16"], value=DEFAULT_SUITE_METHODS,
+                                       label="Methods (FP16 always runs: it is the reference)",
+                                       elem_id="teaching-methods")
+            depths = gr.CheckboxGroup(list(DEPTHS), value=list(DEPTHS), label="Pass-key depths")
+            suite_button = gr.Button("Run the suite", variant="primary", elem_id="run-suite")
+        with gr.Column(scale=3):
+            suite_progress = gr.HTML("", elem_id="suite-progress")
+            suite_table = gr.Dataframe(headers=teaching.SUITE_COLUMNS, value=[], interactive=False,
+                                       label="Results", elem_id="suite-table")
+            suite_plot = gr.Plot(label="Suite", elem_id="suite-plot")
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=300):
+            gr.Markdown("#### 2 · The boost sweep (paper Figure 4)\nKIVI-K2V2* (2 bits, 32-token sink) with a "
+                        "growing share of key channels at 4 bits, chosen by magnitude (Kitty) or at random. "
+                        "If magnitude did not matter, the two curves would lie on top of each other.")
+            fractions = gr.CheckboxGroup(list(FRACTIONS), value=list(FRACTIONS), label="Boost fractions")
+            sweep_button = gr.Button("Run the boost sweep", variant="primary", elem_id="run-sweep")
+        with gr.Column(scale=3):
+            sweep_progress = gr.HTML("", elem_id="sweep-progress")
+            sweep_table = gr.Dataframe(headers=teaching.SWEEP_COLUMNS, value=[], interactive=False,
+                                       label="Sweep", elem_id="sweep-table")
+            sweep_plot = gr.Plot(label="Sweep", elem_id="sweep-plot")
+    page = TeachingPage(services, [methods, text_tokens, depths], [suite_progress, suite_table, suite_plot],
+                        [fractions, text_tokens], [sweep_progress, sweep_table, sweep_plot])
+    # The suite keeps the CPU busy for minutes: its own queue, apart from comparisons and page loads
+    limit = services.config.teaching_concurrency
+    suite_button.click(page.run_suite, page.suite_inputs, page.suite_outputs, concurrency_id="teaching",
+                       concurrency_limit=limit, show_progress="hidden", api_visibility="private")
+    sweep_button.click(page.run_sweep, page.sweep_inputs, page.sweep_outputs, concurrency_id="teaching",
+                       concurrency_limit=limit, show_progress="hidden", api_visibility="private")
+    return page
