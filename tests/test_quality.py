@@ -71,3 +71,19 @@ def test_batched_prompts_match_single_runs(default_model):
         compared.append(steps)
     REPORT.append(f"batched vs single kitty runs: identical tokens for the first {compared} steps of 24")
     assert min(compared) >= 8, compared
+
+
+def test_fp16_preset_logits_identical_to_dynamic_cache(default_model):
+    """Prefill, then 150 decode steps teacher-forced: every step's logits equal DynamicCache's bit for bit."""
+    from transformers import DynamicCache
+    model, tokenizer = default_model
+    ids = tokenizer(bundled_text(), return_tensors="pt").input_ids[:, :200]
+    with torch.no_grad():
+        caches = (DynamicCache(config=model.config), make_cache(model, "fp16"))
+        logits = []
+        for cache in caches:
+            steps = [model(ids[:, :50], past_key_values=cache, use_cache=True).logits]
+            steps += [model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(50, 200)]
+            logits.append(torch.cat(steps, dim=1))
+    assert logits[0].shape == (1, 200, model.config.vocab_size)
+    assert torch.equal(logits[0], logits[1])
