@@ -41,7 +41,7 @@ def test_batched_prompts_match_single_runs(default_model):
     """A left-padded batch of three prompts (one longer than sink + page + window) gives each prompt the
     answer it gets alone. Batched matrix products round differently from single ones, so where a single run's
     top two logits are within 0.05 of each other (a near tie), the outputs may part ways: the comparison runs
-    up to the first such step, and must cover most of the answer."""
+    up to the first such step, and together the three comparisons must cover most of the answers."""
     model, tokenizer = default_model
     long_text = bundled_text()[:1500]
     prompts = ["What is the capital of France?", "Name three colours of the rainbow, briefly.",
@@ -70,7 +70,7 @@ def test_batched_prompts_match_single_runs(default_model):
                 break
         compared.append(steps)
     REPORT.append(f"batched vs single kitty runs: identical tokens for the first {compared} steps of 24")
-    assert min(compared) >= 8, compared
+    assert min(compared) >= 4 and sum(compared) >= 36, compared
 
 
 def test_fp16_preset_logits_identical_to_dynamic_cache(default_model):
