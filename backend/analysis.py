@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from .methods import CacheConfig
 
 DATA = Path(__file__).parent / "data"
 

@@ -98,7 +98,7 @@ def filled_layer(method: str, k: torch.Tensor, v: torch.Tensor) -> KittyLayer:
 def bytes_read(layer: KittyLayer) -> int:
     """Bytes one decode step must read: every stored token's share of pages and full-precision buffers."""
     kv, cfg = layer.paged(), layer.config
-    h, d, g, s = layer.heads, layer.head_dim, cfg.page_size, cfg.sink
+    h, d, g = layer.heads, layer.head_dim, cfg.page_size
     elem = layer.k_fp.element_size()
     pages_k = int(layer.key_table.counts.sum())
     pages_v = int(layer.value_table.counts.sum())

@@ -158,6 +158,7 @@ def test_batch_of_different_lengths_stores_no_padding():
         assert layer.lengths[b] == len(s) + steps
         # batched and single matmuls may round differently: the sink within float noise, then pages code by code
         torch.testing.assert_close(layer.k_fp[b, :, :32], keys[:, :32], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.v_fp[b, :, :32], values[:, :32], atol=1e-5, rtol=1e-5)
         pages = layer.key_table.pages_of(b)
         assert len(pages) == (len(s) + steps - 32) // 64
         pool = layer.key_pool.tensors
