@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -103,8 +105,7 @@ def _configure_sqlite(engine: Engine, busy_timeout_ms: int) -> None:
             # busy_timeout first: switching to WAL itself may wait for a lock.
             cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
             cursor.execute("PRAGMA foreign_keys = ON")
-            # WAL lets readers proceed while one writer commits (a no-op in memory).
-            cursor.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(cursor, busy_timeout_ms)
         finally:
             cursor.close()
 
@@ -115,6 +116,25 @@ def _configure_sqlite(engine: Engine, busy_timeout_ms: int) -> None:
         # ignored); taking the write lock at BEGIN makes writers queue instead.
         immediate = conn.get_execution_options().get(WRITE_LOCK_OPTION, False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def _enable_wal(cursor: Any, busy_timeout_ms: int) -> None:
+    """WAL lets readers proceed while one writer commits (a no-op in memory).
+
+    Switching a fresh file to WAL needs an exclusive lock, and SQLite answers
+    "database is locked" at once, without its busy handler, while a sibling
+    process does the same switch. Retry within the busy timeout instead."""
+    deadline = time.monotonic() + busy_timeout_ms / 1000
+    delay = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
 
 
 def alembic_config(connection: Connection) -> Config:
