@@ -18,7 +18,9 @@ page-boundary quantization steps cost.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
 import statistics
 import sys
@@ -337,8 +339,25 @@ def bench_generate(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- figures
+SYSTEM_BROWSERS = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
+
+
+def png_browser() -> str | None:
+    """The Chrome/Chromium kaleido renders PNGs with: $BROWSER_PATH, else the first of SYSTEM_BROWSERS.
+
+    kaleido 1.x starts the browser through choreographer, which takes $BROWSER_PATH before its own PATH search
+    (choreographer/utils/_which.py) and already passes --headless --no-sandbox, so running as root needs nothing
+    more. Never downloads a browser."""
+    if not os.environ.get("BROWSER_PATH"):
+        found = next((path for path in SYSTEM_BROWSERS if os.access(path, os.X_OK)), None)
+        if found is None:
+            return None
+        os.environ["BROWSER_PATH"] = found
+    return os.environ["BROWSER_PATH"]
+
+
 def write_figures(result: dict, out: Path) -> list[Path]:
-    """One Plotly figure per table: HTML always, PNG where kaleido finds a browser."""
+    """One Plotly figure per table: HTML always, PNG where kaleido is installed and a browser is found."""
     try:
         import plotly.graph_objects as go
     except ImportError:
@@ -358,11 +377,19 @@ def write_figures(result: dict, out: Path) -> list[Path]:
                           yaxis_title="tokens / s")
     paths = [out.with_suffix(".html")]
     fig.write_html(paths[0])
-    try:
-        fig.write_image(out.with_suffix(".png"), width=1100, height=550)
-        paths.append(out.with_suffix(".png"))
-    except Exception as exc:                          # kaleido needs a Chrome/Chromium it can find
-        print(f"PNG skipped: {exc}", file=sys.stderr)
+    if importlib.util.find_spec("kaleido") is None:
+        print("PNG skipped: kaleido is not installed (pip install -r requirements.txt)", file=sys.stderr)
+    elif png_browser() is None:
+        print(f"PNG skipped: no Chrome/Chromium at {', '.join(SYSTEM_BROWSERS)} and BROWSER_PATH is unset "
+              "(apt-get install chromium, or set BROWSER_PATH)", file=sys.stderr)
+    else:
+        try:
+            fig.write_image(out.with_suffix(".png"), width=1100, height=550)
+            paths.append(out.with_suffix(".png"))
+        except Exception as exc:                      # e.g. BROWSER_PATH names no browser, or it fails to start
+            first = (str(exc).strip().splitlines() or [""])[0]
+            print(f"PNG skipped (BROWSER_PATH={os.environ['BROWSER_PATH']}): {type(exc).__name__}: {first}",
+                  file=sys.stderr)
     return paths
 
 

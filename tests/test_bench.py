@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The system browsers backend/bench.py hands kaleido; with one installed, a PNG must come out.
+BROWSERS = [p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
+            if os.access(p, os.X_OK)]
+# The bench must find the browser itself: a BROWSER_PATH from the caller's shell is dropped.
+ENV = {k: v for k, v in os.environ.items() if k != "BROWSER_PATH"}
+
+
+def assert_png(path: Path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, (path, len(data))
 
 
 @pytest.mark.parametrize("kind,methods", [("attention", {"sdpa-fp16", "kitty", "kitty-pro", "kivi-k2v2", "fp16"}),
@@ -16,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_quick_writes_results(tmp_path, kind, methods):
     out = tmp_path / f"{kind}.json"
     done = subprocess.run([sys.executable, "-m", "backend.bench", kind, "--quick", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=ENV)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["kind"] == kind and result["env"]["torch"]
@@ -29,3 +40,25 @@ def test_bench_quick_writes_results(tmp_path, kind, methods):
         else:
             assert row["tokens_per_s"] > 0 and row["p50_ms"] > 0 and row["batch"] >= 1
     assert out.with_suffix(".html").exists()                 # the Plotly figure of the table
+    if BROWSERS:                                             # ... and its PNG, rendered by kaleido in that browser
+        assert_png(out.with_suffix(".png"))
+    else:
+        assert "PNG skipped" in done.stderr and not out.with_suffix(".png").exists()
+
+
+def test_plot_writes_png_from_results_json(tmp_path):
+    """`bench plot` on results JSON measured elsewhere (a GPU machine with no browser) draws the PNG here."""
+    if not BROWSERS:
+        pytest.skip("no Chrome/Chromium at /usr/bin/chromium, /usr/bin/chromium-browser or /usr/bin/google-chrome")
+    rows = [{"method": m, "batch": b, "tokens": 32768, "us": us * b, "vs_sdpa": 1.0}
+            for m, us in (("sdpa-fp16", 40.0), ("kitty-pro", 95.0), ("quanto-2", 900.0)) for b in (1, 8, 64)]
+    rows.append({"method": "kivi-k2v2", "batch": 64, "tokens": 32768, "error": "out of memory"})
+    results = tmp_path / "attention.json"
+    results.write_text(json.dumps({"kind": "attention", "rows": rows, "env": {"torch": "2.13.0"}}))
+    done = subprocess.run([sys.executable, "-m", "backend.bench", "plot", str(results)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    png = results.with_suffix(".png")
+    assert str(png) in done.stdout.splitlines(), done.stdout + done.stderr[-2000:]
+    assert_png(png)
+    assert results.with_suffix(".html").exists()
