@@ -24,11 +24,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kernels import quantize
-from kernels.decode_attention import decode_attention, decode_attention_ref, gather_kv
+from kernels.decode_attention import DecodeWorkspace, decode_attention, decode_attention_ref, gather_kv
 from kernels.layout import SCALE_DTYPE, PagedKV
 
 from .methods import CacheConfig
-from .pages import PagePool, PageTable
+from .pages import DeviceIndices, PagePool, PageTable
 
 
 class KittyLayer(CacheLayerMixin):
@@ -75,6 +75,8 @@ class KittyLayer(CacheLayerMixin):
         }, self.device)
         self.key_table = PageTable(bsz, self.device)
         self.value_table = PageTable(bsz, self.device)
+        self.to_device = DeviceIndices(self.device)
+        self.workspace = DecodeWorkspace()
         if self.reserve_tokens:
             pages = bsz * -(-max(0, self.reserve_tokens - s) // g)
             if cfg.k_bits < 16:
@@ -161,8 +163,9 @@ class KittyLayer(CacheLayerMixin):
             out, _ = sdpa_attention_forward(module, query, self.k_fp[:, :, :longest], self.v_fp[:, :, :longest],
                                             mask, scaling=scaling, **kwargs)
             return out
-        attention = decode_attention if self._triton() else decode_attention_ref
-        return attention(query[:, :, 0], self.paged(), scaling).unsqueeze(1)
+        if self._triton():
+            return decode_attention(query[:, :, 0], self.paged(), scaling, workspace=self.workspace).unsqueeze(1)
+        return decode_attention_ref(query[:, :, 0], self.paged(), scaling).unsqueeze(1)
 
     def _attend_chunk(self, query, key, value, scaling) -> torch.Tensor:
         """New chunk of n tokens on a non-empty cache: causal attention over [cached tokens | chunk]."""
@@ -224,9 +227,9 @@ class KittyLayer(CacheLayerMixin):
                                                    keep=cfg.local_window, bits=cfg.v_bits)
             self.lengths[b] += count
         self.seq_len.copy_(torch.from_numpy(self.lengths))
-        stack = lambda pages: (np.array([b for b, _ in pages], dtype=np.int64),
-                               torch.stack([t for _, t in pages]) if pages else None)
-        self._store_pages(*stack(key_pages), *stack(value_pages))
+        rows = lambda pages: np.array([b for b, _ in pages], dtype=np.int64)
+        stack = lambda pages: torch.stack([t for _, t in pages]) if pages else None
+        self._store_pages(rows(key_pages), rows(value_pages), lambda _: stack(key_pages), lambda _: stack(value_pages))
 
     def _extend_buffer(self, buf, b, length, pages, tokens, keep, bits) -> list[tuple[int, torch.Tensor]]:
         """Put `tokens` after sequence b's buffer content; cut every G tokens beyond `keep` off as pages."""
@@ -244,37 +247,43 @@ class KittyLayer(CacheLayerMixin):
         cfg = self.config
         s, g, r = cfg.sink, cfg.page_size, cfg.local_window
         after_sink = self.lengths - np.minimum(self.lengths, s)
-        key_rows = np.flatnonzero(after_sink - self.key_table.counts * g == g) if cfg.k_bits < 16 else []
-        value_rows = np.flatnonzero(after_sink - self.value_table.counts * g == r + g) if cfg.v_bits < 16 else []
+        none = np.zeros(0, dtype=np.int64)
+        key_rows = np.flatnonzero(after_sink - self.key_table.counts * g == g) if cfg.k_bits < 16 else none
+        value_rows = np.flatnonzero(after_sink - self.value_table.counts * g == r + g) if cfg.v_bits < 16 else none
         if not len(key_rows) and not len(value_rows):
             return
-        k_index = torch.from_numpy(key_rows).to(self.device) if len(key_rows) else None
-        v_index = torch.from_numpy(value_rows).to(self.device) if len(value_rows) else None
-        self._store_pages(key_rows, self.k_fp[k_index, :, s:s + g] if len(key_rows) else None,
-                          value_rows, self.v_fp[v_index, :, s:s + g] if len(value_rows) else None)
+        v_index = self._store_pages(key_rows, value_rows, lambda rows: self.k_fp[rows, :, s:s + g],
+                                    lambda rows: self.v_fp[rows, :, s:s + g])
         if len(value_rows):                                          # slide each affected tail down by G
             self.v_fp[v_index, :, s:s + r] = self.v_fp[v_index, :, s + g:s + g + r]
 
-    def _store_pages(self, key_rows, key_x, value_rows, value_x) -> None:
-        """Quantize pages (N, H, G, D) in one batched call per kind and give sequence rows[k] page k."""
+    def _store_pages(self, key_rows: np.ndarray, value_rows: np.ndarray, key_pages, value_pages) -> torch.Tensor:
+        """Quantize one page for each of key_rows (sequences, in order) and value_rows: key_pages(rows) and
+        value_pages(rows) give their (N, H, G, D) tokens for device row indices. One batched launch per kind, and
+        every index the GPU needs goes over in one asynchronous copy. Returns the value rows on the device."""
         cfg = self.config
         use_triton = self._triton()
-        if key_x is not None:
+        key_ids = self.key_pool.allocate(len(key_rows)) if len(key_rows) else []
+        value_ids = self.value_pool.allocate(len(value_rows)) if len(value_rows) else []
+        key_cols, value_cols = self.key_table.slots(key_rows), self.value_table.slots(value_rows)
+        k_rows, k_ids, k_cols, v_rows, v_ids, v_cols = self.to_device(key_rows, key_ids, key_cols, value_rows,
+                                                                     value_ids, value_cols)
+        if len(key_rows):
+            key_x = key_pages(k_rows)
             idx, magnitude = quantize.choose_boost(key_x, self.n_boost, cfg.selection, self._generator())
             quant = quantize.quantize_keys if use_triton else quantize.quantize_keys_ref
             low, high, scale, zero = quant(key_x, idx, self.n_boost)
-            ids = self.key_pool.allocate(len(key_rows))
             fields = dict(low=low, high=high, idx=idx, scale=scale, zero=zero)
             if self.record_magnitudes:
                 fields["magnitude"] = magnitude.to(SCALE_DTYPE)
-            self.key_pool.write(ids, **fields)
-            self.key_table.append(key_rows, ids)
-        if value_x is not None:
+            self.key_pool.write(k_ids, **fields)
+            self.key_table.append(key_rows, k_rows, k_cols, k_ids)
+        if len(value_rows):
             quant = quantize.quantize_values if use_triton else quantize.quantize_values_ref
-            low, high, scale, zero = quant(value_x, cfg.v_bits)
-            ids = self.value_pool.allocate(len(value_rows))
-            self.value_pool.write(ids, low=low, high=high, scale=scale, zero=zero)
-            self.value_table.append(value_rows, ids)
+            low, high, scale, zero = quant(value_pages(v_rows), cfg.v_bits)
+            self.value_pool.write(v_ids, low=low, high=high, scale=scale, zero=zero)
+            self.value_table.append(value_rows, v_rows, v_cols, v_ids)
+        return v_rows
 
     def _generator(self) -> torch.Generator | None:
         """Random channel selection draws from a per-layer generator seeded by the config: reproducible runs."""

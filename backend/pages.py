@@ -46,8 +46,8 @@ class PagePool:
         self.in_use += n
         return ids
 
-    def write(self, ids: list[int], **values: torch.Tensor) -> None:
-        index = torch.tensor(ids, dtype=torch.long, device=next(iter(self.tensors.values())).device)
+    def write(self, index: torch.Tensor, **values: torch.Tensor) -> None:
+        """Page index[k] (a device tensor of ids) gets values[name][k]."""
         for name, value in values.items():
             self.tensors[name][index] = value
 
@@ -69,17 +69,20 @@ class PageTable:
     def nbytes(self) -> int:
         return self.ids.numel() * self.ids.element_size() + self.device_counts.numel() * 4
 
-    def append(self, seqs: np.ndarray, ids: list[int]) -> None:
-        """Sequence seqs[k] gets page ids[k] as its next page; a sequence may appear several times (in order)."""
-        seqs = np.asarray(seqs, dtype=np.int64)
+    def slots(self, seqs: np.ndarray) -> np.ndarray:
+        """Columns where sequences seqs (a sequence may appear several times, in order) put their next pages;
+        the table grows (doubling) to hold them."""
         cols = self.counts[seqs] + occurrence_rank(seqs)
-        need = int(cols.max()) + 1
+        need = int(cols.max()) + 1 if len(cols) else 0
         if need > self.ids.shape[1]:
             grow = max(need, 2 * self.ids.shape[1]) - self.ids.shape[1]
             self.ids = torch.cat([self.ids, self.ids.new_full((self.ids.shape[0], grow), -1)], dim=1)
-        device = self.ids.device
-        rows = torch.from_numpy(seqs).to(device)
-        self.ids[rows, torch.from_numpy(cols).to(device)] = torch.tensor(ids, dtype=torch.int32).to(device)
+        return cols
+
+    def append(self, seqs: np.ndarray, rows: torch.Tensor, cols: torch.Tensor, ids: torch.Tensor) -> None:
+        """Record pages ids at (rows, cols) from `slots`: seqs on the host, the same rows / cols / ids as device
+        tensors (see DeviceIndices)."""
+        self.ids[rows, cols] = ids.to(torch.int32)
         self.counts += np.bincount(seqs, minlength=len(self.counts))
         self.device_counts.index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
 
@@ -91,6 +94,39 @@ class PageTable:
         self.ids = self.ids[index.to(self.ids.device)]
         self.counts = self.counts[index.cpu().numpy()]
         self.device_counts = self.device_counts[index.to(self.ids.device)]
+
+
+class DeviceIndices:
+    """Host integer arrays -> int64 device tensors with one asynchronous copy from pinned memory.
+
+    A plain `.to(device)` of pageable host memory synchronizes the stream, so every layer of a decode step
+    that quantizes pages would wait for the GPU to drain. Each call takes the next of a few pinned buffers;
+    the event recorded after its previous copy has long completed by the time the ring comes back to it."""
+
+    RING = 4
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.buffers: list[torch.Tensor | None] = [None] * self.RING
+        self.copied: list[torch.cuda.Event | None] = [None] * self.RING
+        self.turn = 0
+
+    def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        flat = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays])
+        sizes = [len(a) for a in arrays]
+        if self.device.type != "cuda":
+            return list(torch.from_numpy(flat).to(self.device).split(sizes))
+        slot, self.turn = self.turn, (self.turn + 1) % self.RING
+        buf = self.buffers[slot]
+        if buf is None or buf.numel() < len(flat):
+            buf = self.buffers[slot] = torch.empty(max(len(flat), 256), dtype=torch.int64, pin_memory=True)
+        elif self.copied[slot] is not None:
+            self.copied[slot].synchronize()
+        buf[:len(flat)].numpy()[:] = flat
+        out = buf[:len(flat)].to(self.device, non_blocking=True)
+        self.copied[slot] = torch.cuda.Event()
+        self.copied[slot].record()
+        return list(out.split(sizes))
 
 
 def occurrence_rank(values: np.ndarray) -> np.ndarray:

@@ -60,7 +60,9 @@ def _unpack(packed, shifts):
     return (packed[:, :, None].to(tl.int32) >> shifts) & 3
 
 
-@triton.jit
+# Sizes that grow during generation are not specialized on (Triton would compile a new variant whenever one
+# becomes a multiple of 16, stalling a decode step for a second or more).
+@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP"])
 def _decode_split_kernel(
         q_ptr, kfp_ptr, vfp_ptr,
         klow_ptr, khigh_ptr, kidx_ptr, kscale_ptr, kzero_ptr,
@@ -200,8 +202,29 @@ def default_splits(batch: int, kv_heads: int, max_blocks: int, sm_count: int = 1
     return max(1, min(want, max_blocks, 64))
 
 
-def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance."""
+class DecodeWorkspace:
+    """decode_attention's partial results and output, kept between calls of one layer so that a decode step
+    allocates nothing (and a captured CUDA graph keeps its addresses). The output returned by a call is
+    overwritten by the next call with the same workspace."""
+
+    def __init__(self):
+        self.buffers: tuple[torch.Tensor, ...] = ()
+
+    def get(self, q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, ...]:
+        bsz, hq, d = q.shape
+        out = self.buffers[3] if self.buffers else None
+        if out is None or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device \
+                or self.buffers[1].shape[2] != num_splits:
+            part_o = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
+            part_m = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
+            self.buffers = (part_o, part_m, torch.empty_like(part_m), torch.empty_like(q))
+        return self.buffers
+
+
+def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
+                     workspace: DecodeWorkspace | None = None) -> torch.Tensor:
+    """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
+    With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     g = kv.page_size
@@ -210,9 +233,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = default_splits(bsz, h, max_blocks, sm_count)
     q = q.contiguous()
-    part_o = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    part_m = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
+    part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_splits)
     group = hq // h
     _decode_split_kernel[(bsz, h, num_splits)](
         q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_idx, kv.k_scale, kv.k_zero,
@@ -223,7 +244,6 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         DOT=dot_dtype(q.dtype), PREC="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(d),
         BLOCK_G4=max(4, triton.next_power_of_2(g // 4)), num_warps=4)
-    out = torch.empty_like(q)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, D=d, NSPLIT=num_splits,
                                       BLOCK_D=triton.next_power_of_2(d),
                                       BLOCK_S=triton.next_power_of_2(num_splits), num_warps=1)

@@ -6,6 +6,7 @@ the sink, which tokens became which page, what stays in the buffers) rather than
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import DEVICE, tiny_model
@@ -15,6 +16,7 @@ import backend.cache
 import kernels.decode_attention
 from backend import make_cache, method_config
 from backend.cache import KittyLayer
+from backend.pages import DeviceIndices
 from kernels.dequantize import dequantize_keys_ref
 from kernels.quantize import choose_boost, quantize_keys_ref, quantize_values_ref
 
@@ -190,6 +192,19 @@ def test_decode_on_the_triton_path_never_rebuilds_pages(monkeypatch):
     layer, ref_layer = cache.layers[0], ref_cache.layers[0]
     for name in ("low", "high", "scale", "zero"):
         assert torch.equal(layer.key_pool.tensors[name], ref_layer.key_pool.tensors[name])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned-memory path needs a GPU"))])
+def test_device_indices_carry_every_array_in_one_copy(device):
+    """Page bookkeeping goes to the GPU through one (asynchronous, pinned) copy per call: values and split exact,
+    empty arrays included, and a buffer of the ring is reused safely after it comes round again."""
+    to_device = DeviceIndices(device)
+    for turn in range(2 * DeviceIndices.RING + 1):
+        arrays = [np.arange(turn, turn + 5), np.zeros(0, dtype=np.int64), [7 + turn, 3], np.full(300 * (turn % 2), turn)]
+        got = to_device(*arrays)
+        assert [t.device.type for t in got] == [device] * 4
+        assert [t.tolist() for t in got] == [np.asarray(a, dtype=np.int64).tolist() for a in arrays]
 
 
 def test_memory_matches_the_layout_at_4096_tokens():

@@ -10,7 +10,7 @@ import torch
 from conftest import DEVICE
 from paged_factory import random_paged_kv
 
-from kernels.decode_attention import decode_attention, decode_attention_ref, gather_kv
+from kernels.decode_attention import DecodeWorkspace, decode_attention, decode_attention_ref, gather_kv
 from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
 from kernels.layout import NO_BOOST, pack_2bit, unpack_2bit
 from kernels.quantize import (choose_boost, quantize_keys, quantize_keys_ref, quantize_values,
@@ -141,6 +141,22 @@ def test_decode_attention_matches_reference(case):
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
+
+
+def test_workspace_is_reused_across_steps_and_changes_nothing():
+    """A decode step with a workspace allocates nothing new: same buffers, same results as without one."""
+    kv, _, _ = random_paged_kv([150, 71], heads=2, head_dim=64, n_boost=8, seed=3, device=DEVICE)
+    q1, q2 = (torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(s)).half().to(DEVICE) for s in (1, 2))
+    workspace = DecodeWorkspace()
+    out1 = decode_attention(q1, kv, 0.125, num_splits=3, workspace=workspace)
+    expected1 = out1.clone()
+    buffers = [t.data_ptr() for t in workspace.buffers]
+    out2 = decode_attention(q2, kv, 0.125, num_splits=3, workspace=workspace)
+    assert [t.data_ptr() for t in workspace.buffers] == buffers and out2.data_ptr() == out1.data_ptr()
+    torch.testing.assert_close(out2, decode_attention(q2, kv, 0.125, num_splits=3), atol=0, rtol=0)
+    torch.testing.assert_close(expected1, decode_attention(q1, kv, 0.125, num_splits=3), atol=0, rtol=0)
+    decode_attention(q1, kv, 0.125, num_splits=4, workspace=workspace)         # another split count: new buffers
+    assert workspace.buffers[0].shape[2] == 4
 
 
 def test_reference_attention_is_plain_attention_for_full_precision():
