@@ -21,7 +21,7 @@ def choose_boost(x: torch.Tensor, n_boost: int, selection: str = "magnitude",
     or n_boost random ones. Returns (idx (N, H, D) uint8: row in the high plane or NO_BOOST, magnitudes (N, H, D)).
     Rows follow channel order, so a page's high plane lists its boosted channels from low to high."""
     n, h, _, d = x.shape
-    # L1 norm in float32 straight from the 16-bit keys: no float copy of the pages (4x less memory traffic)
+    # L1 norm accumulated in float32, without writing float copies of the pages (as .float().abs() did)
     magnitudes = torch.linalg.vector_norm(x, ord=1, dim=2, dtype=torch.float32) / x.shape[2]
     idx = torch.full((n, h, d), NO_BOOST, dtype=torch.uint8, device=x.device)
     if n_boost == 0:
