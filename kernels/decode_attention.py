@@ -221,29 +221,38 @@ class DecodeWorkspace:
         return self.buffers
 
 
+def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts) -> tuple[tuple, dict]:
+    """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
+    (output, max, sum) partials, their split count sets NSPLIT. Also used to compile the kernel for a profile."""
+    part_o, part_m, part_l = parts
+    bsz, hq, d = q.shape
+    h, g = kv.k_fp.shape[1], kv.page_size
+    args = (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_idx, kv.k_scale, kv.k_zero,
+            kv.v_low, kv.v_high, kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages,
+            kv.n_vpages, part_o, part_m, part_l, sm_scale * math.log2(math.e), kv.k_fp.shape[2], kv.v_fp.shape[2],
+            kv.k_table.shape[1], kv.v_table.shape[1])
+    constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits,
+                     NSPLIT=part_m.shape[2], DOT=dot_dtype(q.dtype),
+                     PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                     BLOCK_M=max(16, triton.next_power_of_2(hq // h)), BLOCK_D=triton.next_power_of_2(d),
+                     BLOCK_G4=max(4, triton.next_power_of_2(g // 4)))
+    return args, constants
+
+
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None) -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
-    g = kv.page_size
     if num_splits is None:
-        max_blocks = triton.cdiv(kv.k_fp.shape[2], g) + kv.k_table.shape[1] + 1
+        max_blocks = triton.cdiv(kv.k_fp.shape[2], kv.page_size) + kv.k_table.shape[1] + 1
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = default_splits(bsz, h, max_blocks, sm_count)
     q = q.contiguous()
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_splits)
-    group = hq // h
-    _decode_split_kernel[(bsz, h, num_splits)](
-        q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_idx, kv.k_scale, kv.k_zero,
-        kv.v_low, kv.v_high, kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages, kv.n_vpages,
-        part_o, part_m, part_l, sm_scale * math.log2(math.e), kv.k_fp.shape[2], kv.v_fp.shape[2],
-        kv.k_table.shape[1], kv.v_table.shape[1],
-        H=h, GROUP=group, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, NSPLIT=num_splits,
-        DOT=dot_dtype(q.dtype), PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_G4=max(4, triton.next_power_of_2(g // 4)), num_warps=4)
+    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l))
+    _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=4)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, D=d, NSPLIT=num_splits,
                                       BLOCK_D=triton.next_power_of_2(d),
                                       BLOCK_S=triton.next_power_of_2(num_splits), num_warps=1)

@@ -4,6 +4,10 @@ odd lengths, batches of different lengths."""
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -188,3 +192,17 @@ def test_gather_kv_puts_every_token_in_order():
             spread = keys[b][:, k_q].amax(1) - keys[b][:, k_q].amin(1)          # loose bound: range / 3 / 2
             assert ((k[:, k_q] - keys[b][:, k_q]).abs() <= spread.unsqueeze(1) / 6 + 1e-2).all()
             assert not torch.equal(k[:, k_q], keys[b][:, k_q])                 # really quantized
+
+
+def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
+    """`python -m kernels.sass_profile` compiles the real kernel for sm_90 and reads its SASS: the counts are
+    those of a working kernel (matrix instructions, registers within the 255 limit); interpreted mode is refused."""
+    cmd = [sys.executable, "-m", "kernels.sass_profile", "--method", "kivi-k2v2", "--dtype", "fp16"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"},
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    counts = {k: int(v) for k, v in re.findall(r"([a-z][a-z .\-/]*?) (\d+)", run.stdout.split(":", 1)[1])}
+    assert 0 < counts["registers"] <= 255 and counts["matrix"] > 0 and counts["instructions"] > 100, run.stdout
+    refused = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert refused.returncode == 2 and "TRITON_INTERPRET=0" in refused.stderr
+

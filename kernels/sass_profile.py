@@ -1,0 +1,113 @@
+"""Static profile of the decode-attention kernel without a GPU: compile it for a CUDA target and count its SASS.
+
+    TRITON_INTERPRET=0 python -m kernels.sass_profile [--method kitty-pro ...] [--dtype bf16] [--group 4] [--arch 90]
+
+Prints registers per thread, spill stack, shared memory and the kernel's instructions by class (matrix,
+shared / local / global memory, barriers, integer, int-float conversions, float), read with the nvdisasm and
+cuobjdump that ship with Triton. These are counts, not times: they show register spills, shared-memory round
+trips, quarter-rate conversions and whether loads were software-pipelined (cp.async) before a GPU is at hand.
+Pointers are compiled as 16-byte aligned, as Triton's JIT specializes them for fresh torch tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+CLASSES = {
+    "matrix": ("HMMA", "HGMMA"), "shared ld/st": ("LDS", "STS", "LDSM"), "local ld/st": ("LDL", "STL"),
+    "global ld/st": ("LDG", "STG"), "cp.async": ("LDGSTS",), "barrier": ("BAR",),
+    "integer": ("SHF", "LOP3", "IMAD", "IADD3", "PRMT", "SEL", "ISETP"),
+    "int-float cvt": ("I2F", "F2F", "I2FP", "F2FP", "F2I"),
+    "float": ("FMUL", "FADD", "FFMA", "FMNMX", "MUFU", "FSETP", "FSEL"),
+}
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+                torch.int32: "i32", torch.int64: "i64"}
+
+
+def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype):
+    """A one-sequence cache of the method's layout (contents do not matter for compiling)."""
+    from backend.methods import method_config
+    from kernels.layout import SCALE_DTYPE, PagedKV
+    cfg = method_config(method)
+    s, g, h, d = cfg.sink, cfg.page_size, heads, head_dim
+    nb = cfg.boosted_channels(d)
+    u8 = lambda *shape: torch.zeros(shape, dtype=torch.uint8)  # noqa: E731
+    f16 = lambda *shape: torch.zeros(shape, dtype=SCALE_DTYPE)  # noqa: E731
+    i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32)  # noqa: E731
+    return PagedKV(torch.zeros(1, h, s + g, d, dtype=dtype), torch.zeros(1, h, s + 2 * g, d, dtype=dtype),
+                   u8(1, h, d, g // 4), u8(1, h, nb, g // 4), u8(1, h, d), f16(1, h, d), f16(1, h, d),
+                   u8(1, h, g, d // 4), u8(1, h, g if cfg.v_bits == 4 else 0, d // 4), f16(1, h, g), f16(1, h, g),
+                   i32(1, 1), i32(1, 1), i32(1), i32(1), i32(1), s, g, nb, cfg.v_bits)
+
+
+def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
+                         splits: int = 16, arch: int = 90):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.decode_attention import _decode_split_kernel, split_kernel_arguments
+    kv = example_paged_kv(method, heads, head_dim, dtype)
+    q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
+    parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
+             torch.zeros(1, heads * group, splits))
+    args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts)
+    names = _decode_split_kernel.arg_names
+    signature, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TRITON_TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if isinstance(value, float) else "i32"
+    signature.update({name: "constexpr" for name in constants})
+    source = ASTSource(fn=_decode_split_kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+def profile(compiled) -> dict:
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+    opcodes = collections.Counter(m.group(1) for m in re.finditer(
+        r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.MULTILINE))
+    row = {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+           "stack bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+           "shared bytes": compiled.metadata.shared, "instructions": sum(opcodes.values())}
+    row.update({name: sum(opcodes[op] for op in ops) for name, ops in CLASSES.items()})
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.sass_profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", nargs="*", default=["kitty-pro", "kitty", "kivi-k2v2"])
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--group", type=int, default=4, help="query heads per KV head (Qwen3-8B: 4)")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (Hopper: 90)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("run with TRITON_INTERPRET=0: without a GPU, importing kernels/ turns Triton's interpreter on, "
+              "and an interpreted kernel cannot be compiled", file=sys.stderr)
+        return 2
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    for method in args.method:
+        row = profile(compile_split_kernel(method, dtype, args.group, arch=args.arch))
+        print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
