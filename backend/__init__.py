@@ -17,7 +17,8 @@ from .model import DEFAULT_MODEL, load_model
 
 
 def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool | None = None,
-               record_magnitudes: bool = True, reserve_tokens: int = 0, **settings) -> KittyCache:
+               record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
+               **settings) -> KittyCache:
     """A fresh cache for one generation. `method` is a preset name (METHODS), "custom", or a CacheConfig;
     keyword settings (k_bits, v_bits, sink, page_size, local_window, alpha, selection, seed) override it.
 
@@ -25,11 +26,14 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     record_magnitudes: keep each page's channel magnitudes for stats() (diagnostics, not cache bytes).
     reserve_tokens: set aside page storage for this many tokens per sequence up front, so long GPU runs
     never reallocate the page pools (by default they grow by exactly the pages needed).
+    flush_spread: k > 1 spreads the quantization of buffers that fill at the same decode step (a batch of equal
+    lengths) over k steps, ceil(B / k) sequences each, so no step stalls on the whole batch's pages; the pages
+    are the same, a few tokens just stay full precision a few steps longer. 1 (default) is the paper's schedule.
     Switches `model` to the "kitty" attention function, which is plain SDPA for any other cache."""
     config = method if isinstance(method, CacheConfig) else method_config(method, **settings)
     use_kitty_attention(model)
     return KittyCache(config, model.config, use_triton=use_triton, record_magnitudes=record_magnitudes,
-                      reserve_tokens=reserve_tokens)
+                      reserve_tokens=reserve_tokens, flush_spread=flush_spread)
 
 
 __all__ = ["load_model", "make_cache", "METHODS", "PRESETS", "CacheConfig", "method_config", "KittyCache",

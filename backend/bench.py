@@ -1,7 +1,7 @@
 """Benchmarks that tell the truth: one command, one table, medians, ratios measured in the same run.
 
     python -m backend.bench attention [--batches 1 8 64] [--lengths 4096 32768] [--out results.json]
-    python -m backend.bench generate  [--budget-gb 80] [--prompt 512] [--new-tokens 8192] [--out results.json]
+    python -m backend.bench generate  [--budget-gb 80] [--prompt 512] [--new-tokens 8192] [--flush-spread 8] [--out results.json]
     python -m backend.bench attention --quick --out results.json      # tiny shapes on a CPU, under a minute
     python -m backend.bench plot results.json                          # figures (HTML, PNG) from saved results
 
@@ -235,7 +235,7 @@ def kv_bytes_per_sequence(method: str, model, tokens: int) -> float:
     return layers * h * (key + value)
 
 
-def make_peer_cache(method, model, batch, max_len):
+def make_peer_cache(method, model, batch, max_len, flush_spread=1):
     from transformers.cache_utils import DynamicCache, QuantizedCache, StaticCache
 
     from backend import make_cache
@@ -245,7 +245,7 @@ def make_peer_cache(method, model, batch, max_len):
         return StaticCache(config=model.config, max_cache_len=max_len)
     if method.startswith("hf-quanto"):
         return QuantizedCache(backend="quanto", config=model.config, nbits=int(method[-1]), residual_length=128)
-    return make_cache(model, method, record_magnitudes=False, reserve_tokens=max_len)
+    return make_cache(model, method, record_magnitudes=False, reserve_tokens=max_len, flush_spread=flush_spread)
 
 
 class StepClock:
@@ -261,12 +261,12 @@ class StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run_generate(model, method, batch, prompt, new_tokens):
+def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1):
     from transformers import StoppingCriteriaList
     device = model.device
     ids = torch.randint(100, model.config.vocab_size, (batch, prompt), device=device,
                         generator=torch.Generator(device=device).manual_seed(1))
-    cache = make_peer_cache(method, model, batch, prompt + new_tokens)
+    cache = make_peer_cache(method, model, batch, prompt + new_tokens, flush_spread)
     clock = StepClock()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -289,7 +289,9 @@ def run_generate(model, method, batch, prompt, new_tokens):
         cfg = method_config(method)
         g = cfg.page_size                             # step i stores token prompt + i: full when (that + 1 - S) % G == 0
         flush = np.zeros(len(steps), dtype=bool)
-        flush[(g - (prompt + 1 - cfg.sink) % g) % g::g] = True
+        for late in range(flush_spread):              # with flush_spread k, the pages are made over k steps
+            flush[(g - (prompt + 1 - cfg.sink) % g) % g + late::g] = True
+        row["flush_spread"] = flush_spread
         median = np.median(steps[~flush])
         row["flush_steps_ms"] = float(np.mean(steps[flush])) if flush.any() else None
         row["flush_overhead_pct"] = float(100 * np.clip(steps[flush] - median, 0, None).sum() / steps.sum())
@@ -322,7 +324,7 @@ def bench_generate(args) -> dict:
             try:
                 if attempt == 0:                      # warm-up: kernel compilation stays out of the timings
                     run_generate(model, method, 1, prompt, 4)
-                row = run_generate(model, method, batch, prompt, new_tokens)
+                row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread)
                 break
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
@@ -406,6 +408,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int)
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--batch", type=int, help="generate: force this batch instead of the largest that fits")
+    parser.add_argument("--flush-spread", type=int, default=1,
+                        help="generate: quantize a batch's full buffers over this many steps (1: paper schedule)")
     args = parser.parse_args(argv)
     if args.kind == "plot":
         result = json.loads(Path(args.results).read_text())

@@ -37,13 +37,16 @@ class KittyLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, config: CacheConfig, layer_idx: int = 0, use_triton: bool | None = None,
-                 record_magnitudes: bool = True, reserve_tokens: int = 0):
+                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1):
         super().__init__()
+        if isinstance(flush_spread, bool) or not isinstance(flush_spread, int) or flush_spread < 1:
+            raise ValueError(f"flush_spread={flush_spread!r} must be a positive integer (1: the paper's schedule)")
         self.config = config
         self.layer_idx = layer_idx
         self.use_triton = use_triton            # None: Triton for CUDA tensors, the PyTorch reference otherwise
         self.record_magnitudes = record_magnitudes
         self.reserve_tokens = reserve_tokens    # page storage to set aside per sequence (no reallocation later)
+        self.flush_spread = flush_spread        # decode steps over which a batch's full buffers become pages
         self.seen = 0                           # positions seen, padding included (what masks are sized by)
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -60,9 +63,11 @@ class KittyLayer(CacheLayerMixin):
         self.lengths = np.zeros(bsz, dtype=np.int64)            # host copy of seq_len: decisions without a sync
         self.seq_len = torch.zeros(bsz, dtype=torch.int32, device=self.device)
         s, g, r = cfg.sink, cfg.page_size, cfg.local_window
-        # Zeros, not empty: the SDPA path reads whole rows and 0 * NaN garbage would poison its output
-        self.k_fp = key_states.new_zeros((bsz, heads, s + (g if cfg.k_bits < 16 else 0), dim))
-        self.v_fp = key_states.new_zeros((bsz, heads, s + (r + g if cfg.v_bits < 16 else 0), dim))
+        # Zeros, not empty: the SDPA path reads whole rows and 0 * NaN garbage would poison its output.
+        # A full buffer may wait up to flush_spread - 1 steps for its turn to become a page: room for that.
+        wait = self.flush_spread - 1
+        self.k_fp = key_states.new_zeros((bsz, heads, s + (g + wait if cfg.k_bits < 16 else 0), dim))
+        self.v_fp = key_states.new_zeros((bsz, heads, s + (r + g + wait if cfg.v_bits < 16 else 0), dim))
         gq, dq = g // 4, dim // 4
         self.key_pool = PagePool({
             "low": ((heads, dim, gq), torch.uint8), "high": ((heads, self.n_boost, gq), torch.uint8),
@@ -242,25 +247,45 @@ class KittyLayer(CacheLayerMixin):
         return [(b, content[:, p * g:(p + 1) * g]) for p in range(n_pages)]
 
     def _quantize_full_buffers(self) -> None:
-        """After a decode step's attention: a key Q-buffer of G tokens, or a value tail of R + G, becomes a page.
-        Host arithmetic on the lengths picks the sequences (no GPU sync); one batched launch per kind."""
+        """After a decode step's attention: a key Q-buffer of G tokens, or a value tail of R + G, becomes a page
+        (the oldest G tokens); see _due for which sequences take their turn. Host arithmetic on the lengths
+        picks them (no GPU sync); one batched launch per kind."""
         cfg = self.config
         s, g, r = cfg.sink, cfg.page_size, cfg.local_window
         after_sink = self.lengths - np.minimum(self.lengths, s)
         none = np.zeros(0, dtype=np.int64)
-        key_rows = np.flatnonzero(after_sink - self.key_table.counts * g == g) if cfg.k_bits < 16 else none
-        value_rows = np.flatnonzero(after_sink - self.value_table.counts * g == r + g) if cfg.v_bits < 16 else none
+        key_rows = self._due(after_sink - self.key_table.counts * g, g) if cfg.k_bits < 16 else none
+        value_rows = self._due(after_sink - self.value_table.counts * g, r + g) if cfg.v_bits < 16 else none
         if not len(key_rows) and not len(value_rows):
             return
-        v_index = self._store_pages(key_rows, value_rows, lambda rows: self.k_fp[rows, :, s:s + g],
-                                    lambda rows: self.v_fp[rows, :, s:s + g])
-        if len(value_rows):                                          # slide each affected tail down by G
-            self.v_fp[v_index, :, s:s + r] = self.v_fp[v_index, :, s + g:s + g + r]
+        k_index, v_index = self._store_pages(key_rows, value_rows, lambda rows: self.k_fp[rows, :, s:s + g],
+                                             lambda rows: self.v_fp[rows, :, s:s + g])
+        # what stays full precision moves down by G: tokens that waited (keys), the window and waiters (values)
+        wait = self.flush_spread - 1
+        if len(key_rows) and wait:
+            self.k_fp[k_index, :, s:s + wait] = self.k_fp[k_index, :, s + g:s + g + wait]
+        if len(value_rows):
+            self.v_fp[v_index, :, s:s + r + wait] = self.v_fp[v_index, :, s + g:s + g + r + wait]
 
-    def _store_pages(self, key_rows: np.ndarray, value_rows: np.ndarray, key_pages, value_pages) -> torch.Tensor:
+    def _due(self, buffered: np.ndarray, full: int) -> np.ndarray:
+        """Sequences whose buffer (`buffered` tokens, a page once it holds `full`) becomes a page this step.
+        flush_spread = 1 is the paper's schedule: every full buffer at once. With k > 1 a batch whose buffers fill
+        together is quantized over k steps, ceil(B / k) sequences per step (fullest first), so no single step
+        carries the whole batch's quantization; a buffer that has waited k - 1 steps (its capacity) always goes."""
+        ready = np.flatnonzero(buffered >= full)
+        quota = -(-self.batch // self.flush_spread)
+        if len(ready) <= quota:
+            return ready
+        must = buffered[ready] >= full + self.flush_spread - 1
+        waiting = ready[~must][np.argsort(-buffered[ready[~must]], kind="stable")]
+        return np.sort(np.concatenate([ready[must], waiting[:max(0, quota - int(must.sum()))]]))
+
+    def _store_pages(self, key_rows: np.ndarray, value_rows: np.ndarray, key_pages,
+                     value_pages) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize one page for each of key_rows (sequences, in order) and value_rows: key_pages(rows) and
         value_pages(rows) give their (N, H, G, D) tokens for device row indices. One batched launch per kind, and
-        every index the GPU needs goes over in one asynchronous copy. Returns the value rows on the device."""
+        every index the GPU needs goes over in one asynchronous copy. Returns the key and value rows on the
+        device."""
         cfg = self.config
         use_triton = self._triton()
         key_ids = self.key_pool.allocate(len(key_rows)) if len(key_rows) else []
@@ -283,7 +308,7 @@ class KittyLayer(CacheLayerMixin):
             low, high, scale, zero = quant(value_pages(v_rows), cfg.v_bits)
             self.value_pool.write(v_ids, low=low, high=high, scale=scale, zero=zero)
             self.value_table.append(value_rows, v_rows, v_cols, v_ids)
-        return v_rows
+        return k_rows, v_rows
 
     def _generator(self) -> torch.Generator | None:
         """Random channel selection draws from a per-layer generator seeded by the config: reproducible runs."""
@@ -391,12 +416,12 @@ class KittyCache(Cache):
     Sliding-window layers (hybrid models) keep transformers' own full-precision sliding cache; stats() says so."""
 
     def __init__(self, config: CacheConfig, model_config, use_triton: bool | None = None,
-                 record_magnitudes: bool = True, reserve_tokens: int = 0):
+                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1):
         text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         layers = []
         for i, kind in enumerate(attention_layer_types(model_config)):
             if kind == "full_attention":
-                layers.append(KittyLayer(config, i, use_triton, record_magnitudes, reserve_tokens))
+                layers.append(KittyLayer(config, i, use_triton, record_magnitudes, reserve_tokens, flush_spread))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
         super().__init__(layers=layers)

@@ -21,9 +21,10 @@ from kernels.dequantize import dequantize_keys_ref
 from kernels.quantize import choose_boost, quantize_keys_ref, quantize_values_ref
 
 
-def feed(model, ids: torch.Tensor, cache, prefix: int, mask: torch.Tensor | None = None):
+def feed(model, ids: torch.Tensor, cache, prefix: int, mask: torch.Tensor | None = None, on_step=None):
     """Prefill `prefix` tokens, then the rest one decode step at a time (teacher forcing); per-step logits.
-    With a (left-padding) mask, positions count real tokens only, as generate() computes them."""
+    With a (left-padding) mask, positions count real tokens only, as generate() computes them.
+    on_step(cache) runs after every decode step."""
     ids = ids.to(model.device)
     mask = torch.ones_like(ids) if mask is None else mask.to(model.device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -35,11 +36,14 @@ def feed(model, ids: torch.Tensor, cache, prefix: int, mask: torch.Tensor | None
             out = model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], position_ids=positions[:, i:i + 1],
                         past_key_values=cache, use_cache=True)
             logits.append(out.logits[:, -1])
+            if on_step:
+                on_step(cache)
     return torch.stack(logits, 1)
 
 
-def check_layer_content(layer: KittyLayer, keys: torch.Tensor, values: torch.Tensor, b: int = 0):
-    """Sequence b of `layer` holds exactly keys/values (H, L, D): sink, pages (bit for bit), buffers."""
+def check_layer_content(layer: KittyLayer, keys: torch.Tensor, values: torch.Tensor, b: int = 0, lag: int = 0):
+    """Sequence b of `layer` holds exactly keys/values (H, L, D): sink, pages (bit for bit), buffers. The page
+    counts are the paper's schedule's, or up to `lag` tokens behind it (a cache with flush_spread = lag + 1)."""
     cfg = layer.config
     s, g, r = cfg.sink, cfg.page_size, cfg.local_window
     length = keys.shape[1]
@@ -47,6 +51,11 @@ def check_layer_content(layer: KittyLayer, keys: torch.Tensor, values: torch.Ten
     sink = min(length, s)
     nkp = (length - sink) // g if cfg.k_bits < 16 else 0
     nvp = max(0, length - sink - r) // g if cfg.v_bits < 16 else 0
+    if lag:                                                     # a full buffer may wait up to `lag` steps
+        nkp_min = max(0, length - lag - sink) // g if cfg.k_bits < 16 else 0
+        nvp_min = max(0, length - lag - sink - r) // g if cfg.v_bits < 16 else 0
+        assert nkp_min <= layer.key_table.counts[b] <= nkp and nvp_min <= layer.value_table.counts[b] <= nvp
+        nkp, nvp = layer.key_table.counts[b], layer.value_table.counts[b]
     assert layer.key_table.counts[b] == nkp and layer.value_table.counts[b] == nvp
     assert torch.equal(layer.k_fp[b, :, :sink], keys[:, :sink]) and torch.equal(layer.v_fp[b, :, :sink], values[:, :sink])
     k_rest, v_rest = keys[:, s + nkp * g:], values[:, s + nvp * g:]
@@ -84,6 +93,39 @@ def test_cache_content_follows_the_paper_step_by_step(method):
     cache = make_cache(model, cfg)
     feed(model, ids, cache, prefix=40)
     check_layer_content(cache.layers[0], reference.layers[0].keys[0], reference.layers[0].values[0])
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_flush_spread_quantizes_a_batch_over_several_steps_into_the_same_pages(use_triton):
+    """flush_spread=3 on 5 sequences whose buffers fill together: at most ceil(5/3) = 2 of them get a page per
+    step, none waits more than 2 steps, and after every step each holds exactly its tokens (pages bit for bit,
+    late tokens in the buffers). The Triton path (which then reads buffers longer than a page) = the reference."""
+    cfg = method_config("kitty", page_size=16, local_window=16, sink=4)
+    model = tiny_model(heads=4, kv_heads=2, layers=1)
+    ids = torch.randint(3, 256, (5, 75), generator=torch.Generator().manual_seed(11))
+    reference = DynamicCache(config=model.config)
+    feed(model, ids, reference, prefix=10)
+    keys, values = reference.layers[0].keys, reference.layers[0].values
+    previous, most = [np.zeros(5, dtype=np.int64)] * 2, [0, 0]
+
+    def after_step(cache):
+        layer = cache.layers[0]
+        for side, table in enumerate((layer.key_table, layer.value_table)):
+            most[side] = max(most[side], int((table.counts > previous[side]).sum()))
+            previous[side] = table.counts.copy()
+        for b in range(5):
+            n = int(layer.lengths[b])
+            check_layer_content(layer, keys[b, :, :n], values[b, :, :n], b, lag=2)
+
+    cache = make_cache(model, cfg, flush_spread=3, use_triton=False)
+    logits = feed(model, ids, cache, prefix=10, on_step=after_step)
+    assert most == [2, 2]
+    assert cache.layers[0].key_table.counts.tolist() == [4] * 5          # (75 - 4) // 16, all caught up
+    if use_triton:
+        got = feed(model, ids, make_cache(model, cfg, flush_spread=3, use_triton=True), prefix=10)
+        torch.testing.assert_close(got, logits, atol=2e-4, rtol=2e-4)
+    with pytest.raises(ValueError, match="flush_spread"):
+        make_cache(model, cfg, flush_spread=0)
 
 
 def test_long_prompt_is_paged_at_prefill():
