@@ -9,11 +9,14 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import DEVICE
 from paged_factory import random_paged_kv
 
+from backend.cache import KittyLayer
+from backend.methods import method_config
 from kernels.decode_attention import DecodeWorkspace, decode_attention, decode_attention_ref, gather_kv
 from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
 from kernels.layout import NO_BOOST, pack_2bit, unpack_2bit
@@ -145,6 +148,20 @@ def test_decode_attention_matches_reference(case):
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("method", ["fp16", "kivi-k4v4", "kitty-pro"])
+def test_decode_attention_reads_the_caches_own_layout(method):
+    """The kernel on a PagedKV built by the cache itself (page tables exactly as wide as needed, none at all for
+    16-bit keys and values), for a ragged batch: equal to the reference."""
+    gen = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(2, 2, 300, 64, generator=gen).half().to(DEVICE) for _ in range(2))
+    layer = KittyLayer(method_config(method), use_triton=False)
+    layer.lazy_initialization(k, v)
+    layer._append(k, v, np.array([300, 161]))
+    kv = layer.paged()
+    q = torch.randn(2, 8, 64, generator=gen).half().to(DEVICE)
+    assert rel_err(decode_attention(q, kv, 0.125), decode_attention_ref(q, kv, 0.125)) < 2e-3
 
 
 def test_workspace_is_reused_across_steps_and_changes_nothing():
