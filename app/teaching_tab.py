@@ -135,6 +135,17 @@ class TeachingPage:
             lambda table: [table.rows, plots.sweep_figure(table.records())])
 
 
+def results_column(name: str, columns: list[str], table_label: str, plot_label: str) -> list:
+    """An experiment's outputs, side by side with its controls: progress line, results table and plot
+    (elem_ids {name}-progress, {name}-table, {name}-plot)."""
+    with gr.Column(scale=3):
+        progress = gr.HTML("", elem_id=f"{name}-progress")
+        table = gr.Dataframe(headers=columns, value=[], interactive=False, label=table_label,
+                             elem_id=f"{name}-table")
+        plot = gr.Plot(label=plot_label, elem_id=f"{name}-plot")
+    return [progress, table, plot]
+
+
 def build(services: Services) -> TeachingPage:
     tokenizer = services.models.default[1]
     max_tokens = tokenizer(bundled_text(), return_tensors="pt")["input_ids"].shape[1]
@@ -151,11 +162,7 @@ def build(services: Services) -> TeachingPage:
                                        elem_id="teaching-methods")
             depths = gr.CheckboxGroup(list(DEPTHS), value=list(DEPTHS), label="Pass-key depths")
             suite_button = gr.Button("Run the suite", variant="primary", elem_id="run-suite")
-        with gr.Column(scale=3):
-            suite_progress = gr.HTML("", elem_id="suite-progress")
-            suite_table = gr.Dataframe(headers=teaching.SUITE_COLUMNS, value=[], interactive=False,
-                                       label="Results", elem_id="suite-table")
-            suite_plot = gr.Plot(label="Suite", elem_id="suite-plot")
+        suite_outputs = results_column("suite", teaching.SUITE_COLUMNS, table_label="Results", plot_label="Suite")
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
             gr.Markdown("#### 2 · The boost sweep (paper Figure 4)\nKIVI-K2V2* (2 bits, 32-token sink) with a "
@@ -163,13 +170,9 @@ def build(services: Services) -> TeachingPage:
                         "If magnitude did not matter, the two curves would lie on top of each other.")
             fractions = gr.CheckboxGroup(list(FRACTIONS), value=list(FRACTIONS), label="Boost fractions")
             sweep_button = gr.Button("Run the boost sweep", variant="primary", elem_id="run-sweep")
-        with gr.Column(scale=3):
-            sweep_progress = gr.HTML("", elem_id="sweep-progress")
-            sweep_table = gr.Dataframe(headers=teaching.SWEEP_COLUMNS, value=[], interactive=False,
-                                       label="Sweep", elem_id="sweep-table")
-            sweep_plot = gr.Plot(label="Sweep", elem_id="sweep-plot")
-    page = TeachingPage(services, [methods, text_tokens, depths], [suite_progress, suite_table, suite_plot],
-                        [fractions, text_tokens], [sweep_progress, sweep_table, sweep_plot])
+        sweep_outputs = results_column("sweep", teaching.SWEEP_COLUMNS, table_label="Sweep", plot_label="Sweep")
+    page = TeachingPage(services, [methods, text_tokens, depths], suite_outputs, [fractions, text_tokens],
+                        sweep_outputs)
     # The suite keeps the CPU busy for minutes: its own queue, apart from comparisons and page loads
     limit = services.config.teaching_concurrency
     suite_button.click(page.run_suite, page.suite_inputs, page.suite_outputs, concurrency_id="teaching",
