@@ -33,8 +33,9 @@ import torch
 import triton
 import triton.testing
 
-from kernels.decode_attention import decode_attention  # on a CPU, kernels/ runs Triton interpreted
+from kernels.decode_attention import decode_attention, default_splits  # on a CPU: Triton interpreted
 
+from . import memory
 from .cache import KittyLayer
 from .methods import method_config
 
@@ -98,17 +99,8 @@ def filled_layer(method: str, k: torch.Tensor, v: torch.Tensor) -> KittyLayer:
 
 
 def bytes_read(layer: KittyLayer) -> int:
-    """Bytes one decode step must read: every stored token's share of pages and full-precision buffers."""
-    kv, cfg = layer.paged(), layer.config
-    h, d, g = layer.heads, layer.head_dim, cfg.page_size
-    elem = layer.k_fp.element_size()
-    pages_k = int(layer.key_table.counts.sum())
-    pages_v = int(layer.value_table.counts.sum())
-    key_page = h * (d * g // 4 + kv.n_boost * g // 4 + d * 5)
-    value_page = h * ((cfg.v_bits // 2) * g * d // 4 + 4 * g)
-    fp_k = sum(int(n) - pk * g for n, pk in zip(layer.lengths, layer.key_table.counts))
-    fp_v = sum(int(n) - pv * g for n, pv in zip(layer.lengths, layer.value_table.counts))
-    return pages_k * key_page + pages_v * value_page + (fp_k + fp_v) * h * d * elem
+    """Bytes one decode step must read: every stored token's share of pages, metadata and 16-bit buffers."""
+    return sum(layer.used_bytes())
 
 
 def quanto_read_path(k, v, nbits):
@@ -190,6 +182,45 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
+def bench_tune(args) -> dict:
+    """The decode kernel's launch settings on one method: warps per program x programs over the paged blocks of
+    each (sequence, KV head), at each shape, with the default choice marked. What the defaults were set from."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hq, h, d = (32, 8, 128) if not args.quick else (8, 2, 64)
+    batches = args.batches or ([1, 8, 64] if not args.quick else [1])
+    lengths = args.lengths or ([4096, 32768] if not args.quick else [300])
+    method = (args.methods or ["kitty-pro"])[0]
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+    rows = []
+    for length in lengths:
+        for batch in batches:
+            k, v = random_kv(batch, h, length, d, dtype, device)
+            q = torch.randn(batch, hq, d, device=device, dtype=dtype)
+            layer = filled_layer(method, k, v)
+            kv = layer.paged()
+            pages = max(1, kv.k_table.shape[1])
+            chosen = default_splits(batch, h, pages, sm_count)
+            splits = sorted({chosen, *(max(1, min(pages, -(-pps * sm_count // (batch * h))))
+                                       for pps in (1, 2, 4, 8, 16, 32, 64))})
+            # the split count at 1 warp / 3 stages, then other warps and pipelining depths at the default split
+            settings = [(1, 3, n) for n in splits] + [(w, s, chosen) for w, s in ((1, 2), (1, 4), (2, 3), (4, 3))]
+            for warps, stages, n in settings:
+                run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=n, num_warps=warps,  # noqa: E731
+                                               num_stages=stages)
+                seconds = median_seconds(run, args.quick)
+                rows.append(dict(batch=batch, tokens=length, method=method, warps=warps, stages=stages, splits=n,
+                                 default=(warps, stages, n) == (1, 3, chosen), us=seconds * 1e6,
+                                 gbs=bytes_read(layer) / seconds / 1e9))
+                print(f"{batch:>3} {length:>6} warps {warps} stages {stages} splits {n:>4}"
+                      f"{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
+                      f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
+            del layer, kv, k, v
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return {"kind": "tune", "rows": rows, "env": environment()}
+
+
 def print_rows(rows, header=True):
     if header:
         print(f"{'B':>3} {'L':>6} {'method':>15} {'us':>10} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
@@ -222,17 +253,12 @@ def kv_bytes_per_sequence(method: str, model, tokens: int) -> float:
     cfg = model.config
     layers, h, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     elem = 2 if model.dtype != torch.float32 else 4
-    if method in ("hf-dynamic", "hf-static", "fp16"):
+    if method in ("hf-dynamic", "hf-static"):
         return layers * 2 * tokens * h * d * elem
     if method.startswith("hf-quanto"):
         bits = int(method[-1])
         return layers * 2 * h * (tokens * d * bits / 8 + tokens * 4 + 128 * d * elem)   # + fp16 residual
-    m = method_config(method)
-    s, g, r = m.sink, m.page_size, m.local_window
-    nb = m.boosted_channels(d)
-    key = s * d * elem + g * d * elem + (tokens - s) / g * (d * g / 4 + nb * g / 4 + 5 * d)
-    value = (s + r + g) * d * elem + max(0, tokens - s - r) / g * (m.v_bits // 2 * g * d / 4 + 4 * g)
-    return layers * h * (key + value)
+    return memory.sequence_bytes(method_config(method), cfg, tokens)
 
 
 def make_peer_cache(method, model, batch, max_len, flush_spread=1):
@@ -373,6 +399,13 @@ def write_figures(result: dict, out: Path) -> list[Path]:
             fig.add_bar(name=method, x=[f"B={r['batch']} L={r['tokens']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode attention, median time per call (lower is better)", yaxis_type="log",
                           yaxis_title="microseconds", barmode="group")
+    elif result["kind"] == "tune":
+        for setting in dict.fromkeys((r["warps"], r["stages"]) for r in rows):
+            sel = [r for r in rows if (r["warps"], r["stages"]) == setting]
+            fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages",
+                        x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
+        fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
+                          yaxis_type="log", yaxis_title="microseconds", barmode="group")
     else:
         fig.add_bar(x=[f"{r['method']} (B={r['batch']})" for r in rows], y=[r["tokens_per_s"] for r in rows])
         fig.update_layout(title=f"Generation under a {result['budget_gb']} GB budget: tokens/s at the largest batch",
@@ -397,7 +430,7 @@ def write_figures(result: dict, out: Path) -> list[Path]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=["attention", "generate", "plot"])
+    parser.add_argument("kind", choices=["attention", "generate", "tune", "plot"])
     parser.add_argument("results", nargs="?", help="for plot: a results JSON written by --out")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU friendly, under a minute")
     parser.add_argument("--out", type=Path, help="write results JSON here (and figures beside it)")
@@ -416,7 +449,7 @@ def main(argv=None) -> int:
         for path in write_figures(result, Path(args.results)):
             print(path)
         return 0
-    result = bench_attention(args) if args.kind == "attention" else bench_generate(args)
+    result = {"attention": bench_attention, "generate": bench_generate, "tune": bench_tune}[args.kind](args)
     if result.get("copy_gbs"):
         print(f"device-to-device copy: {result['copy_gbs']:.0f} GB/s (read + write)")
     if args.out:

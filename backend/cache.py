@@ -23,10 +23,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kernels import quantize
-from kernels.decode_attention import DecodeWorkspace, decode_attention, decode_attention_ref, gather_kv
-from kernels.layout import SCALE_DTYPE, PagedKV
+from kernels import dequantize, quantize
+from kernels.decode_attention import DecodeWorkspace, decode_attention, decode_attention_ref
+from kernels.layout import FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_bytes, value_page_bytes
 
+from .memory import FP_BYTES, TABLE_ENTRY_BYTES
 from .methods import CacheConfig
 from .pages import DeviceIndices, PagePool, PageTable
 
@@ -55,10 +56,13 @@ class KittyLayer(CacheLayerMixin):
         bsz, heads, _, dim = key_states.shape
         if dim % 4:
             raise ValueError(f"head_dim={dim} is not a multiple of 4: 2-bit codes are packed 4 per byte")
+        if dim > 256:
+            raise ValueError(f"head_dim={dim} is larger than 256: boosted channels are stored as uint8 ids")
         self.n_boost = cfg.boosted_channels(dim)
-        if self.n_boost > 254:
-            raise ValueError(f"{self.n_boost} boosted channels do not fit the uint8 boost index (at most 254)")
         self.dtype, self.device = key_states.dtype, key_states.device
+        # Full-precision parts are stored at 16 bits whatever the model computes in (as in the paper): the model's
+        # own half type, or FP16 for a float32 model (a CPU run), cast on read.
+        self.store_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else FP_DTYPE
         self.batch, self.heads, self.head_dim = bsz, heads, dim
         self.lengths = np.zeros(bsz, dtype=np.int64)            # host copy of seq_len: decisions without a sync
         self.seq_len = torch.zeros(bsz, dtype=torch.int32, device=self.device)
@@ -66,16 +70,17 @@ class KittyLayer(CacheLayerMixin):
         # Zeros, not empty: the SDPA path reads whole rows and 0 * NaN garbage would poison its output.
         # A full buffer may wait up to flush_spread - 1 steps for its turn to become a page: room for that.
         wait = self.flush_spread - 1
-        self.k_fp = key_states.new_zeros((bsz, heads, s + (g + wait if cfg.k_bits < 16 else 0), dim))
-        self.v_fp = key_states.new_zeros((bsz, heads, s + (r + g + wait if cfg.v_bits < 16 else 0), dim))
+        fp = dict(dtype=self.store_dtype, device=self.device)
+        self.k_fp = torch.zeros((bsz, heads, s + (g + wait if cfg.k_bits < 16 else 0), dim), **fp)
+        self.v_fp = torch.zeros((bsz, heads, s + (r + g + wait if cfg.v_bits < 16 else 0), dim), **fp)
         gq, dq = g // 4, dim // 4
         self.key_pool = PagePool({
-            "low": ((heads, dim, gq), torch.uint8), "high": ((heads, self.n_boost, gq), torch.uint8),
-            "idx": ((heads, dim), torch.uint8), "scale": ((heads, dim), SCALE_DTYPE),
+            "low": ((heads, gq, dim), torch.uint8), "high": ((heads, gq, self.n_boost), torch.uint8),
+            "ch": ((heads, self.n_boost), torch.uint8), "scale": ((heads, dim), SCALE_DTYPE),
             "zero": ((heads, dim), SCALE_DTYPE), "magnitude": ((heads, dim), SCALE_DTYPE),
         }, self.device, diagnostics=("magnitude",))
         self.value_pool = PagePool({
-            "low": ((heads, g, dq), torch.uint8), "high": ((heads, g if cfg.v_bits == 4 else 0, dq), torch.uint8),
+            "low": ((heads, dq, g), torch.uint8), "high": ((heads, dq if cfg.v_bits == 4 else 0, g), torch.uint8),
             "scale": ((heads, g), SCALE_DTYPE), "zero": ((heads, g), SCALE_DTYPE),
         }, self.device)
         self.key_table = PageTable(bsz, self.device)
@@ -137,6 +142,8 @@ class KittyLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------------ attention
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs) -> torch.Tensor:
         """Attention output (B, q_len, HQ, D) for the new tokens, storing them in the cache."""
+        if self.store_dtype != key.dtype:             # every attention sees the tokens as stored: at 16 bits
+            key, value = (t.to(self.store_dtype).to(t.dtype) for t in (key, value))
         if not self.lengths.any():                                  # prefill: FP16 attention over the prompt
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             self._append(key, value, prompt_lengths(attention_mask, key.shape[2], key.shape[0]))
@@ -153,7 +160,7 @@ class KittyLayer(CacheLayerMixin):
     def paged(self) -> PagedKV:
         kp, vp = self.key_pool.tensors, self.value_pool.tensors
         cfg = self.config
-        return PagedKV(self.k_fp, self.v_fp, kp["low"], kp["high"], kp["idx"], kp["scale"], kp["zero"],
+        return PagedKV(self.k_fp, self.v_fp, kp["low"], kp["high"], kp["ch"], kp["scale"], kp["zero"],
                        vp["low"], vp["high"], vp["scale"], vp["zero"], self.key_table.ids, self.value_table.ids,
                        self.seq_len, self.key_table.device_counts, self.value_table.device_counts,
                        cfg.sink, cfg.page_size, self.n_boost, cfg.v_bits)
@@ -165,29 +172,58 @@ class KittyLayer(CacheLayerMixin):
             mask = None
             if self.lengths.min() != longest:
                 mask = (torch.arange(longest, device=self.device) < self.seq_len[:, None])[:, None, None, :]
-            out, _ = sdpa_attention_forward(module, query, self.k_fp[:, :, :longest], self.v_fp[:, :, :longest],
-                                            mask, scaling=scaling, **kwargs)
+            keys, values = (t[:, :, :longest].to(query.dtype) for t in (self.k_fp, self.v_fp))
+            out, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling, **kwargs)
             return out
         if self._triton():
             return decode_attention(query[:, :, 0], self.paged(), scaling, workspace=self.workspace).unsqueeze(1)
         return decode_attention_ref(query[:, :, 0], self.paged(), scaling).unsqueeze(1)
 
     def _attend_chunk(self, query, key, value, scaling) -> torch.Tensor:
-        """New chunk of n tokens on a non-empty cache: causal attention over [cached tokens | chunk]."""
-        out = torch.empty_like(query).transpose(1, 2)               # (B, n, HQ, D)
-        kv = self.paged()
-        n, group = query.shape[2], query.shape[1] // self.heads
-        for b in range(self.batch):
-            keys, values = gather_kv(kv, b, query.dtype)
-            keys = torch.cat([keys, key[b]], dim=1).repeat_interleave(group, dim=0)
-            values = torch.cat([values, value[b]], dim=1).repeat_interleave(group, dim=0)
-            past = int(self.lengths[b])
-            causal = torch.arange(past + n, device=self.device)[None, :] <= past + torch.arange(
-                n, device=self.device)[:, None]
-            o = torch.nn.functional.scaled_dot_product_attention(query[b:b + 1], keys[None], values[None],
-                                                                 attn_mask=causal, scale=scaling)
-            out[b] = o[0].transpose(0, 1)
-        return out
+        """New chunk of n tokens on a non-empty cache (a further prompt, e.g. the next turn of a chat): causal
+        attention over [cached tokens | chunk] for the whole batch at once, pages dequantized in one launch."""
+        n = query.shape[2]
+        past = int(self.lengths.max())
+        keys = torch.cat([self._dense("key", past, query.dtype), key], dim=2)
+        values = torch.cat([self._dense("value", past, query.dtype), value], dim=2)
+        # sequence b's cached tokens sit at [0, lengths[b]) of the first `past` positions; then the chunk, causal
+        pos = torch.arange(past + n, device=self.device)
+        cached = pos[None, None, :] < self.seq_len[:, None, None]
+        chunk = (pos[None, :] >= past) & (pos[None, :] - past <= torch.arange(n, device=self.device)[:, None])
+        mask = (cached | chunk[None]).unsqueeze(1)                          # (B, 1, n, past + n)
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def _dense(self, kind: str, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Every sequence's keys or values in token order, (B, H, length, D) in `dtype`, zeros past its end:
+        sink, dequantized pages, then the full-precision buffer (vectorized over sequences and pages)."""
+        cfg = self.config
+        s, g = cfg.sink, cfg.page_size
+        fp, table = (self.k_fp, self.key_table) if kind == "key" else (self.v_fp, self.value_table)
+        out = torch.zeros((self.batch, length, self.heads, self.head_dim), dtype=dtype, device=self.device)
+        counts = table.counts
+        seqs, cols = np.nonzero(np.arange(table.ids.shape[1])[None, :] < counts[:, None])
+        if len(seqs):
+            rows_d, cols_d = self.to_device(seqs, cols)
+            ids = table.ids[rows_d, cols_d].long()
+            pool = (self.key_pool if kind == "key" else self.value_pool).tensors
+            if kind == "key":
+                dequant = dequantize.dequantize_keys if self._triton() else dequantize.dequantize_keys_ref
+                pages = dequant(*(pool[name][ids] for name in ("low", "high", "ch", "scale", "zero")), dtype)
+            else:
+                dequant = dequantize.dequantize_values if self._triton() else dequantize.dequantize_values_ref
+                pages = dequant(*(pool[name][ids] for name in ("low", "high", "scale", "zero")), dtype)
+            tokens = s + cols_d[:, None] * g + torch.arange(g, device=self.device)      # (pages, G)
+            out[rows_d[:, None], tokens] = pages.transpose(1, 2)
+        # full-precision part: token t < sink at t, else (after the pages) at sink + t - sink - pages * G
+        t = torch.arange(length, device=self.device)[None, :]
+        first = s + table.device_counts[:, None] * g                                 # first buffered token
+        src = torch.where(t < s, t, t - first + s)
+        take = ((t < s) | (t >= first)) & (t < self.seq_len[:, None]) & (src < fp.shape[2])
+        rows, where = take.nonzero(as_tuple=True)
+        out[rows, where] = fp[rows, :, src[rows, where]].to(dtype)
+        return out.transpose(1, 2)
 
     # ------------------------------------------------------------------------------------------ storing tokens
     def _insert_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -198,8 +234,8 @@ class KittyLayer(CacheLayerMixin):
         # Token t sits at t in the sink, else at t - pages*G (sink + offset in the buffer): one formula for both
         k_pos = self.seq_len - self.key_table.device_counts * cfg.page_size
         v_pos = self.seq_len - self.value_table.device_counts * cfg.page_size
-        self.k_fp[rows, :, k_pos.long()] = key
-        self.v_fp[rows, :, v_pos.long()] = value
+        self.k_fp[rows, :, k_pos.long()] = key.to(self.store_dtype)
+        self.v_fp[rows, :, v_pos.long()] = value.to(self.store_dtype)
         self.seq_len += 1
         self.lengths += 1
 
@@ -240,7 +276,7 @@ class KittyLayer(CacheLayerMixin):
         """Put `tokens` after sequence b's buffer content; cut every G tokens beyond `keep` off as pages."""
         s, g = self.config.sink, self.config.page_size
         filled = length - s - int(pages) * g
-        content = torch.cat([buf[b, :, s:s + filled], tokens], dim=1)
+        content = torch.cat([buf[b, :, s:s + filled], tokens.to(buf.dtype)], dim=1)   # pages from 16-bit tokens
         n_pages = max(0, content.shape[1] - keep) // g if bits < 16 else 0
         rest = content[:, n_pages * g:]
         buf[b, :, s:s + rest.shape[1]] = rest
@@ -295,10 +331,10 @@ class KittyLayer(CacheLayerMixin):
                                                                      value_ids, value_cols)
         if len(key_rows):
             key_x = key_pages(k_rows)
-            idx, magnitude = quantize.choose_boost(key_x, self.n_boost, cfg.selection, self._generator())
+            ch, magnitude = quantize.choose_boost(key_x, self.n_boost, cfg.selection, self._generator())
             quant = quantize.quantize_keys if use_triton else quantize.quantize_keys_ref
-            low, high, scale, zero = quant(key_x, idx, self.n_boost)
-            fields = dict(low=low, high=high, idx=idx, scale=scale, zero=zero)
+            low, high, scale, zero = quant(key_x, ch, self.n_boost)
+            fields = dict(low=low, high=high, ch=ch, scale=scale, zero=zero)
             if self.record_magnitudes:
                 fields["magnitude"] = magnitude.to(SCALE_DTYPE)
             self.key_pool.write(k_ids, **fields)
@@ -319,12 +355,27 @@ class KittyLayer(CacheLayerMixin):
         return self._rng
 
     # ------------------------------------------------------------------------------------------ accounting
-    def nbytes(self) -> int:
-        """Bytes this layer's cache holds: full-precision buffers, pages, page tables (diagnostics excluded)."""
+    def reserved_bytes(self) -> int:
+        """Bytes this layer has allocated: full-precision buffers at their capacity, page pools (free pages too),
+        page tables (diagnostics excluded)."""
         if not self.is_initialized:
             return 0
         fp = sum(t.numel() * t.element_size() for t in (self.k_fp, self.v_fp))
         return fp + self.key_pool.nbytes + self.value_pool.nbytes + self.key_table.nbytes + self.value_table.nbytes
+
+    def used_bytes(self) -> tuple[int, int]:
+        """(key, value) bytes the stored tokens occupy, summed over the sequences: their pages (planes, metadata, a
+        page-table entry each) and their tokens in the full-precision buffers at 16 bits (backend/memory.py says
+        the same by arithmetic)."""
+        if not self.is_initialized:
+            return 0, 0
+        g, row = self.config.page_size, self.heads * self.head_dim * FP_BYTES
+        kp, vp = self.key_table.counts, self.value_table.counts
+        key_page = key_page_bytes(self.heads, self.head_dim, g, self.n_boost) + TABLE_ENTRY_BYTES
+        value_page = value_page_bytes(self.heads, self.head_dim, g, self.config.v_bits) + TABLE_ENTRY_BYTES
+        keys = int((self.lengths - kp * g).sum()) * row + int(kp.sum()) * key_page
+        values = int((self.lengths - vp * g).sum()) * row + int(vp.sum()) * value_page
+        return keys, values
 
     def boost_record(self, seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence `seq`'s key pages in order: boost masks (pages, H, D) bool and magnitudes (pages, H, D)."""
@@ -333,7 +384,7 @@ class KittyLayer(CacheLayerMixin):
             empty = torch.zeros((0, self.heads, self.head_dim))
             return empty.bool(), empty
         index = torch.tensor(ids, device=self.device)
-        mask = self.key_pool.tensors["idx"][index].int() < self.n_boost
+        mask = boost_mask(self.key_pool.tensors["ch"][index], self.head_dim)
         magnitude = self.key_pool.tensors["magnitude"][index].float()
         if not self.record_magnitudes:
             magnitude = torch.full_like(magnitude, float("nan"))
@@ -359,7 +410,8 @@ def prompt_lengths(attention_mask: torch.Tensor | None, width: int, batch: int) 
 class LayerStats:
     index: int
     kind: str                              # "kitty" (the method's layout) or "fp16-sliding" (left at full precision)
-    nbytes: int
+    used_bytes: int                        # what its stored tokens occupy (see CacheStats)
+    reserved_bytes: int                    # what it has allocated
     key_pages: list[int]                   # per sequence
     value_pages: list[int]
     boost_masks: list[torch.Tensor]        # per sequence: (key pages, H, D) bool, True = channel stored at 4 bits
@@ -368,14 +420,19 @@ class LayerStats:
 
 @dataclass
 class CacheStats:
+    """What a cache holds. `bytes_used` counts what the stored tokens occupy (pages, full-precision buffers at
+    16 bits, metadata, page-table entries); `bytes_reserved` what is allocated (buffer capacity, free pages):
+    a short chat reserves a whole page's buffer it has not filled yet. Ratios and bits use the used bytes."""
+
     method: str
     config: dict
     batch_size: int
     tokens: list[int]                      # tokens stored per sequence (padding is never stored)
-    bytes_allocated: int                   # every tensor the cache holds (buffers, pages, tables)
+    bytes_used: int
+    bytes_reserved: int
     fp16_bytes: int                        # the same tokens' keys and values at 16 bits
-    key_bytes: int
-    value_bytes: int
+    key_bytes: int                         # used, keys
+    value_bytes: int                       # used, values
     key_bits: float                        # bits per stored key element, buffers and metadata included
     value_bits: float
     key_pages: int
@@ -384,13 +441,19 @@ class CacheStats:
 
     @property
     def compression(self) -> float:
-        return self.fp16_bytes / self.bytes_allocated if self.bytes_allocated else 0.0
+        """FP16 bytes over used bytes: 1.0 for the fp16 preset, about 8 for long Kitty caches."""
+        return self.fp16_bytes / self.bytes_used if self.bytes_used else 0.0
+
+    @property
+    def kv_ratio(self) -> float:
+        """Used bytes over FP16 bytes (the inverse of compression): what a page shows as "x FP16"."""
+        return self.bytes_used / self.fp16_bytes if self.fp16_bytes else 0.0
 
     def summary(self) -> dict:
         """Scalars only: what a table row or a log line shows."""
-        keys = ("method", "batch_size", "tokens", "bytes_allocated", "fp16_bytes", "key_bits", "value_bits",
-                "key_pages", "value_pages")
-        return {**{k: getattr(self, k) for k in keys}, "compression": self.compression,
+        keys = ("method", "batch_size", "tokens", "bytes_used", "bytes_reserved", "fp16_bytes", "key_bits",
+                "value_bits", "key_pages", "value_pages")
+        return {**{k: getattr(self, k) for k in keys}, "compression": self.compression, "kv_ratio": self.kv_ratio,
                 "fp16_layers": sum(layer.kind != "kitty" for layer in self.layers)}
 
 
@@ -429,33 +492,33 @@ class KittyCache(Cache):
 
     def stats(self) -> CacheStats:
         kitty = [layer for layer in self.layers if isinstance(layer, KittyLayer) and layer.is_initialized]
-        layer_stats, key_bytes, value_bytes, fp16, key_elems, value_elems = [], 0, 0, 0, 0, 0
+        layer_stats, key_bytes, value_bytes, reserved, fp16, elements = [], 0, 0, 0, 0, 0
         for i, layer in enumerate(self.layers):
             if isinstance(layer, KittyLayer):
                 if not layer.is_initialized:
                     continue
-                kb = layer.k_fp.numel() * layer.k_fp.element_size() + layer.key_pool.nbytes + layer.key_table.nbytes
-                vb = layer.nbytes() - kb
-                elems = sum(layer.lengths) * layer.heads * layer.head_dim
+                kb, vb = layer.used_bytes()
+                held = layer.reserved_bytes()
+                elems = int(sum(layer.lengths)) * layer.heads * layer.head_dim
                 records = [layer.boost_record(b) for b in range(layer.batch)]
-                layer_stats.append(LayerStats(i, "kitty", kb + vb, layer.key_table.counts.tolist(),
+                layer_stats.append(LayerStats(i, "kitty", kb + vb, held, layer.key_table.counts.tolist(),
                                               layer.value_table.counts.tolist(), [m for m, _ in records],
                                               [g for _, g in records]))
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:
                 kb = layer.keys.numel() * layer.keys.element_size()
                 vb = layer.values.numel() * layer.values.element_size()
-                elems = layer.keys.numel()
-                layer_stats.append(LayerStats(i, "fp16-sliding", kb + vb, [], [], [], []))
+                held, elems = kb + vb, layer.keys.numel()
+                layer_stats.append(LayerStats(i, "fp16-sliding", kb + vb, held, [], [], [], []))
             else:
                 continue
-            key_bytes, value_bytes = key_bytes + kb, value_bytes + vb
-            key_elems, value_elems, fp16 = key_elems + elems, value_elems + elems, fp16 + 4 * elems
+            key_bytes, value_bytes, reserved = key_bytes + kb, value_bytes + vb, reserved + held
+            elements, fp16 = elements + elems, fp16 + 2 * FP_BYTES * elems
         first = kitty[0] if kitty else None
         return CacheStats(
             method=self.config.name, config=self.config.as_dict(),
             batch_size=first.batch if first else 0, tokens=first.lengths.tolist() if first else [],
-            bytes_allocated=key_bytes + value_bytes, fp16_bytes=fp16, key_bytes=key_bytes, value_bytes=value_bytes,
-            key_bits=8 * key_bytes / key_elems if key_elems else 0.0,
-            value_bits=8 * value_bytes / value_elems if value_elems else 0.0,
+            bytes_used=key_bytes + value_bytes, bytes_reserved=reserved, fp16_bytes=fp16, key_bytes=key_bytes,
+            value_bytes=value_bytes, key_bits=8 * key_bytes / elements if elements else 0.0,
+            value_bits=8 * value_bytes / elements if elements else 0.0,
             key_pages=sum(sum(s.key_pages) for s in layer_stats),
             value_pages=sum(sum(s.value_pages) for s in layer_stats), layers=layer_stats)

@@ -305,7 +305,7 @@ class _Recorder(BaseStreamer):
         n, times = len(self.token_ids), self.times
         window = min(SPEED_WINDOW, n - 1)
         rolling = window / (times[-1] - times[-1 - window]) if window > 0 and times[-1] > times[-1 - window] else None
-        self.timeline.append(TimelinePoint(now - self.start, n, int(stats.bytes_allocated), rolling))
+        self.timeline.append(TimelinePoint(now - self.start, n, int(stats.bytes_used), rolling))
         masks, magnitudes = [None] * cmp.num_layers, [None] * cmp.num_layers
         for layer in stats.layers:
             if layer.kind == "kitty" and layer.boost_masks:
@@ -315,7 +315,7 @@ class _Recorder(BaseStreamer):
             text=cmp.tokenizer.decode(self.token_ids, skip_special_tokens=True),
             ttft_s=times[0] - self.start, elapsed_s=now - self.start,
             tokens_per_s=(n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None,
-            kv_bytes=int(stats.bytes_allocated), fp16_bytes=int(stats.fp16_bytes),
+            kv_bytes=int(stats.bytes_used), fp16_bytes=int(stats.fp16_bytes),
             key_bits=float(stats.key_bits), value_bits=float(stats.value_bits),
             key_pages=int(stats.key_pages), value_pages=int(stats.value_pages),
             peak_memory_bytes=self.peak, timeline=tuple(self.timeline),

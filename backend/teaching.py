@@ -104,7 +104,7 @@ def _forced_pass(model, input_ids: torch.Tensor, config: CacheConfig, tracker: _
 
     logprobs = teacher_forced_logprobs(model, input_ids, cache, prefix=prefix, progress=tick)
     stats = cache.stats()
-    return logprobs, stats.bytes_allocated / stats.fp16_bytes
+    return logprobs, stats.kv_ratio
 
 
 def forced_metrics(model, input_ids: torch.Tensor, methods: Mapping[str, CacheConfig], *, prefix: int = PREFIX,

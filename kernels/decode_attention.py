@@ -1,14 +1,19 @@
 """Decode attention of one new query per sequence over [sink | key/value pages | key Q-buffer | value tail].
 
-Flash-decoding: the token range of each (sequence, KV head) is cut into NSPLIT slices of whole G-token blocks;
-one program per slice runs an online softmax with all query heads of the KV group in the rows of one tile,
-dequantizing pages in registers, and writes a partial (max, sum, output); a second small kernel merges the
-slices with log-sum-exp weights. No score tensor and no full-precision copy of the cache reach memory.
+Flash-decoding: each (sequence, KV head) gets NSPLIT programs that share its blocks where both a key page and a
+value page exist (a loop without branches, which Triton software-pipelines), plus one program for the rest (the
+sink and the few blocks of full-precision buffers). Each runs an online softmax with all query heads of the KV
+group in the rows of one tile and writes a partial (max, sum, output); a small second kernel merges them with
+log-sum-exp weights. No score tensor and no full-precision copy of the cache reach memory.
 
-Dequantization is folded into the two products (exact algebra, fewer operations per element):
+Dequantization is folded into the two products (exact algebra):
     q . k_t = sum_d (q_d * scale_d) * code_dt + sum_d q_d * zero_d           (keys: per-channel scale / zero)
     sum_t p_t v_t = sum_t (p_t * scale_t) * code_t + sum_t p_t * zero_t      (values: per-token scale / zero)
-so the integer codes go straight into the matrix units.
+so the integer codes themselves are the matrix operands. The page layout (layout.py) keeps each product's
+contracted dimension contiguous and puts a byte's four 2-bit fields in four quarters of the other dimension:
+a 32-bit word of page data holds 4 contracted elements of each of 4 quarters, already in the order the matrix
+units read them, and becomes 16 operand values with bit operations (`_quarters`): no shifting of tiles between
+threads. Keys give scores by token quarter, values accumulate by channel quarter.
 """
 from __future__ import annotations
 
@@ -30,8 +35,7 @@ def gather_kv(kv: PagedKV, b: int, dtype: torch.dtype) -> tuple[torch.Tensor, to
     length, nkp, nvp = (int(x[b]) for x in (kv.seq_len, kv.n_kpages, kv.n_vpages))
     sink = min(length, s)
     kp, vp = kv.k_table[b, :nkp].long(), kv.v_table[b, :nvp].long()
-    k_pages = dequantize_keys_ref(kv.k_low[kp], kv.k_high[kp], kv.k_idx[kp], kv.k_scale[kp], kv.k_zero[kp],
-                                  kv.n_boost, dtype)
+    k_pages = dequantize_keys_ref(kv.k_low[kp], kv.k_high[kp], kv.k_ch[kp], kv.k_scale[kp], kv.k_zero[kp], dtype)
     v_pages = dequantize_values_ref(kv.v_low[vp], kv.v_high[vp], kv.v_scale[vp], kv.v_zero[vp], dtype)
     h, d = kv.k_fp.shape[1], kv.k_fp.shape[3]
     keys = torch.cat([kv.k_fp[b, :, :sink].to(dtype), k_pages.transpose(0, 1).reshape(h, nkp * g, d),
@@ -54,130 +58,330 @@ def decode_attention_ref(q: torch.Tensor, kv: PagedKV, sm_scale: float) -> torch
 
 
 # ---------------------------------------------------------------------------------------------- Triton
+# 2-bit fields -> 16-bit operands with bit operations (the lop3 trick of Marlin / BitDecoding). A 32-bit word holds
+# four bytes b0..b3 (4 consecutive elements of the contracted dimension); prmt reorders them (b0, b2, b1, b3) so
+# that the low byte of each 16-bit half is b0 / b1, or b2 / b3 after >> 8. OR-ing the field at bits 2i into the
+# mantissa of a "magic" float M (bf16 128, fp16 1024: spacing 1 there) gives M + c * 4^i; one fused multiply-add
+# per pair, (M + c * 4^i) * 4^-i - M * 4^-i, returns c exactly. bf16 has 7 mantissa bits, so its fourth field
+# (bits 6-7) is shifted down first.
+def _bits16(value: float, dtype: torch.dtype) -> int:
+    """A 32-bit word holding `value` in both 16-bit halves."""
+    half = torch.tensor([value], dtype=dtype).view(torch.int16).item() & 0xFFFF
+    return half | half << 16
+
+
+def unpack_asm(dtype: torch.dtype) -> str:
+    """PTX: one word of 4 bytes ($8) -> their quarter-i fields as 16-bit pairs $2i (bytes 0, 1), $2i+1 (bytes 2, 3)."""
+    magic, fma, in_mantissa = {torch.bfloat16: (128.0, "fma.rn.bf16x2", 3),
+                               torch.float16: (1024.0, "fma.rn.f16x2", 4)}[dtype]
+    lines = ["{ .reg .b32 t, u, v, s, o;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;"]
+    for i in range(4):
+        shift = 2 * i                                 # where field i sits; fields past the mantissa move down
+        if i >= in_mantissa:
+            lines += [f"shr.b32 t, t, {shift};", f"shr.b32 u, u, {shift};"]
+            shift = 0
+        lines += [f"mov.b32 s, {_bits16(4.0 ** -(shift // 2), dtype):#x};",
+                  f"mov.b32 o, {_bits16(-magic * 4.0 ** -(shift // 2), dtype):#x};"]
+        for k, word in enumerate("tu"):
+            lines += [f"lop3.b32 v, {word}, {0x00030003 << shift:#x}, {_bits16(magic, dtype):#x}, 0xea;",
+                      f"{fma} ${2 * i + k}, v, s, o;"]
+    return " ".join(lines) + " }"
+
+
+UNPACK_BF16 = tl.constexpr(unpack_asm(torch.bfloat16))
+UNPACK_FP16 = tl.constexpr(unpack_asm(torch.float16))
+
+
 @triton.jit
-def _unpack(packed, shifts):
-    """(A, B) bytes -> (A, B, 4) 2-bit codes, code i of a byte at bits 2i."""
-    return (packed[:, :, None].to(tl.int32) >> shifts) & 3
+def _quarters(x, DOT: tl.constexpr, ASM: tl.constexpr):
+    """A uint8 tile -> its four 2-bit fields as DOT tiles (quarter i = bits 2i). ASM 1 / 2 (compiled, bf16 / fp16
+    operands): the bit trick above, 4 elements per 32-bit word; 0: shifts and conversions (any dtype, interpreter)."""
+    if ASM == 1:
+        return tl.inline_asm_elementwise(asm=UNPACK_BF16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x],
+                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
+                                         pack=4)
+    if ASM == 2:
+        return tl.inline_asm_elementwise(asm=UNPACK_FP16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x],
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                                         pack=4)
+    w = x.to(tl.int32)
+    return (w & 3).to(DOT), ((w >> 2) & 3).to(DOT), ((w >> 4) & 3).to(DOT), ((w >> 6) & 3).to(DOT)
+
+
+KC = tl.constexpr(32)        # channels per key chunk: keeps one chunk's four unpacked quarters in registers
+
+
+@triton.jit
+def _key_page_scores(q_rows, rmask, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, page,
+                     D: tl.constexpr, G4: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Scores (before softmax scaling) of the 4 token quarters of key page `page` (= page id * H + head), read
+    KC channels at a time. q_rows: (BLOCK_M,) pointers to the query rows, rmask: the real ones."""
+    j = tl.arange(0, BLOCK_G4)
+    jmask = (j < G4)[None, :]
+    s0 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
+    s1 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
+    s2 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
+    s3 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
+    zq = tl.zeros((BLOCK_M,), tl.float32)
+    for chunk in tl.static_range(0, D, KC):
+        d = chunk + tl.arange(0, KC)
+        dmask = d < D
+        q = tl.load(q_rows[:, None] + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        scale = tl.load(kscale_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
+        zero = tl.load(kzero_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
+        zq += tl.sum(q * zero[None, :], axis=1)
+        a = (q * scale[None, :]).to(DOT)
+        tile = tl.load(klow_ptr + page * (G4 * D) + j[None, :] * D + d[:, None], mask=dmask[:, None] & jmask,
+                       other=0)                                                 # (channel, token-in-quarter)
+        k0, k1, k2, k3 = _quarters(tile, DOT, ASM)
+        s0 = tl.dot(a, k0, s0, input_precision=PREC)
+        s1 = tl.dot(a, k1, s1, input_precision=PREC)
+        s2 = tl.dot(a, k2, s2, input_precision=PREC)
+        s3 = tl.dot(a, k3, s3, input_precision=PREC)
+    if NB > 0:
+        # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
+        r = tl.arange(0, BLOCK_NB)
+        nbmask = r < NB
+        ch = tl.load(kch_ptr + page * NB + r, mask=nbmask, other=0).to(tl.int32)
+        ch_scale = tl.load(kscale_ptr + page * D + ch, mask=nbmask, other=0.0).to(tl.float32)
+        q_ch = tl.load(q_rows[:, None] + ch[None, :], mask=rmask[:, None] & nbmask[None, :], other=0.0)
+        a_hi = (q_ch.to(tl.float32) * (4.0 * ch_scale)[None, :]).to(DOT)
+        tile = tl.load(khigh_ptr + page * (G4 * NB) + j[None, :] * NB + r[:, None], mask=nbmask[:, None] & jmask,
+                       other=0)
+        h0, h1, h2, h3 = _quarters(tile, DOT, ASM)
+        s0 = tl.dot(a_hi, h0, s0, input_precision=PREC)
+        s1 = tl.dot(a_hi, h1, s1, input_precision=PREC)
+        s2 = tl.dot(a_hi, h2, s2, input_precision=PREC)
+        s3 = tl.dot(a_hi, h3, s3, input_precision=PREC)
+    zq = zq[:, None]
+    return s0 + zq, s1 + zq, s2 + zq, s3 + zq
+
+
+@triton.jit
+def _fp_key_scores(q_rows, rmask, kfp_ptr, row0, n_valid, D: tl.constexpr, G4: tl.constexpr, DOT: tl.constexpr,
+                   PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr):
+    """Scores of the 4 token quarters of up to 4*G4 full-precision keys starting at row `row0` of k_fp."""
+    j = tl.arange(0, BLOCK_G4)
+    s0 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
+    s1 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
+    s2 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
+    s3 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
+    for chunk in tl.static_range(0, D, KC):
+        d = chunk + tl.arange(0, KC)
+        dmask = d < D
+        q = tl.load(q_rows[:, None] + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0).to(DOT)
+        ptrs = kfp_ptr + (row0 + j[None, :]).to(tl.int64) * D + d[:, None]
+        mask = dmask[:, None] & (j < G4)[None, :]
+        s0 = tl.dot(q, tl.load(ptrs, mask=mask & (j < n_valid)[None, :], other=0.0).to(DOT), s0,
+                    input_precision=PREC)
+        s1 = tl.dot(q, tl.load(ptrs + G4 * D, mask=mask & (G4 + j < n_valid)[None, :], other=0.0).to(DOT), s1,
+                    input_precision=PREC)
+        s2 = tl.dot(q, tl.load(ptrs + 2 * G4 * D, mask=mask & (2 * G4 + j < n_valid)[None, :], other=0.0).to(DOT),
+                    s2, input_precision=PREC)
+        s3 = tl.dot(q, tl.load(ptrs + 3 * G4 * D, mask=mask & (3 * G4 + j < n_valid)[None, :], other=0.0).to(DOT),
+                    s3, input_precision=PREC)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, qk_scale, G4: tl.constexpr, BLOCK_G4: tl.constexpr):
+    """Scale and mask the 4 quarters' scores (tokens >= n_valid are out), update the running max and sum.
+    Returns the probabilities, the factor the running output must be multiplied by, and the new max / sum."""
+    j = tl.arange(0, BLOCK_G4)
+    s0 = tl.where((j < n_valid)[None, :] & (j < G4)[None, :], s0 * qk_scale, float("-inf"))
+    s1 = tl.where((G4 + j < n_valid)[None, :] & (j < G4)[None, :], s1 * qk_scale, float("-inf"))
+    s2 = tl.where((2 * G4 + j < n_valid)[None, :] & (j < G4)[None, :], s2 * qk_scale, float("-inf"))
+    s3 = tl.where((3 * G4 + j < n_valid)[None, :] & (j < G4)[None, :], s3 * qk_scale, float("-inf"))
+    m_new = tl.maximum(tl.maximum(tl.maximum(m_i, tl.max(s0, axis=1)), tl.max(s1, axis=1)),
+                       tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
+    alpha = tl.math.exp2(m_i - m_new)
+    p0 = tl.math.exp2(s0 - m_new[:, None])
+    p1 = tl.math.exp2(s1 - m_new[:, None])
+    p2 = tl.math.exp2(s2 - m_new[:, None])
+    p3 = tl.math.exp2(s3 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p0, axis=1) + tl.sum(p1, axis=1) + tl.sum(p2, axis=1) + tl.sum(p3, axis=1)
+    return p0, p1, p2, p3, alpha, m_new, l_i
+
+
+@triton.jit
+def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, page,
+                   quarter: tl.constexpr, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr,
+                   DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
+                   BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
+    """Accumulate token quarter `quarter` of value page `page`: the 4 channel quarters into acc0..acc3 and the
+    zero-point term sum_t p_t * zero_t into zacc."""
+    G4: tl.constexpr = G // 4
+    j = tl.arange(0, BLOCK_G4)
+    c = tl.arange(0, BLOCK_D4)
+    tok = quarter * G4 + j
+    jmask = j < G4
+    vscale = tl.load(vscale_ptr + page * G + tok, mask=jmask, other=0.0).to(tl.float32)
+    vzero = tl.load(vzero_ptr + page * G + tok, mask=jmask, other=0.0).to(tl.float32)
+    zacc += tl.sum(p * vzero[None, :], axis=1)
+    a = (p * vscale[None, :]).to(DOT)
+    offs = page * (D4 * G) + c[None, :] * G + tok[:, None]                    # (token, channel byte), tokens contiguous
+    mask = jmask[:, None] & (c < D4)[None, :]
+    v0, v1, v2, v3 = _quarters(tl.load(vlow_ptr + offs, mask=mask, other=0), DOT, ASM)
+    acc0 = tl.dot(a, v0, acc0, input_precision=PREC)
+    acc1 = tl.dot(a, v1, acc1, input_precision=PREC)
+    acc2 = tl.dot(a, v2, acc2, input_precision=PREC)
+    acc3 = tl.dot(a, v3, acc3, input_precision=PREC)
+    if V_BITS == 4:
+        a4 = a * 4.0                                                           # exact: the high bits weigh 4
+        v0, v1, v2, v3 = _quarters(tl.load(vhigh_ptr + offs, mask=mask, other=0), DOT, ASM)
+        acc0 = tl.dot(a4.to(DOT), v0, acc0, input_precision=PREC)
+        acc1 = tl.dot(a4.to(DOT), v1, acc1, input_precision=PREC)
+        acc2 = tl.dot(a4.to(DOT), v2, acc2, input_precision=PREC)
+        acc3 = tl.dot(a4.to(DOT), v3, acc3, input_precision=PREC)
+    return acc0, acc1, acc2, acc3, zacc
+
+
+@triton.jit
+def _fp_value_quarter(p, acc0, acc1, acc2, acc3, vfp_ptr, row0, n_valid, quarter: tl.constexpr, D: tl.constexpr,
+                      G4: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                      BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
+    """Accumulate token quarter `quarter` of up to 4*G4 full-precision values starting at row `row0` of v_fp."""
+    D4: tl.constexpr = D // 4
+    j = tl.arange(0, BLOCK_G4)
+    c = tl.arange(0, BLOCK_D4)
+    tok = quarter * G4 + j
+    ptrs = vfp_ptr + (row0 + tok[:, None]).to(tl.int64) * D + c[None, :]
+    mask = ((tok < n_valid) & (j < G4))[:, None] & (c < D4)[None, :]
+    pd = p.to(DOT)
+    acc0 = tl.dot(pd, tl.load(ptrs, mask=mask, other=0.0).to(DOT), acc0, input_precision=PREC)
+    acc1 = tl.dot(pd, tl.load(ptrs + D4, mask=mask, other=0.0).to(DOT), acc1, input_precision=PREC)
+    acc2 = tl.dot(pd, tl.load(ptrs + 2 * D4, mask=mask, other=0.0).to(DOT), acc2, input_precision=PREC)
+    acc3 = tl.dot(pd, tl.load(ptrs + 3 * D4, mask=mask, other=0.0).to(DOT), acc3, input_precision=PREC)
+    return acc0, acc1, acc2, acc3
 
 
 # Sizes that grow during generation are not specialized on (Triton would compile a new variant whenever one
 # becomes a multiple of 16, stalling a decode step for a second or more).
-@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP"])
+@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT"])
 def _decode_split_kernel(
         q_ptr, kfp_ptr, vfp_ptr,
-        klow_ptr, khigh_ptr, kidx_ptr, kscale_ptr, kzero_ptr,
+        klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
         ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr,
         po_ptr, pm_ptr, pl_ptr,
-        qk_scale, CK, CV, KMP, VMP,
+        qk_scale, CK, CV, KMP, VMP, NSPLIT,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        NB: tl.constexpr, V_BITS: tl.constexpr, NSPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr):
+        NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+        ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr,
+        BLOCK_D4: tl.constexpr, BLOCK_NB: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    split = tl.program_id(2)
-    BLOCK_G: tl.constexpr = 4 * BLOCK_G4
+    split = tl.program_id(2)                            # 0..NSPLIT-1: shares of the paged blocks; NSPLIT: the rest
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
-    BLOCK_D4: tl.constexpr = BLOCK_D // 4
 
     length = tl.load(seqlen_ptr + b)
     nkp = tl.load(nkp_ptr + b)
     nvp = tl.load(nvp_ptr + b)
+    n_paged = tl.minimum(nkp, nvp)                      # blocks with a key page and a value page
+    per_split = tl.cdiv(n_paged, NSPLIT)
+    start = tl.where(split < NSPLIT, split * per_split, 0)
+    end = tl.where(split < NSPLIT, tl.minimum(start + per_split, n_paged), 0)
+    # the rest: the sink's blocks, then the G-token slots after the paged ones (a key page with full-precision
+    # values, the buffers); only the last program has them
     sink_len = tl.minimum(length, S)
     n_sink_blocks = tl.cdiv(sink_len, G)
-    n_blocks = n_sink_blocks + nkp + tl.cdiv(length - sink_len - nkp * G, G)
-    per_split = tl.cdiv(n_blocks, NSPLIT)
-    start = split * per_split
-    end = tl.minimum(start + per_split, n_blocks)
+    n_rest = tl.where(split == NSPLIT, n_sink_blocks + tl.cdiv(length - sink_len, G) - n_paged, 0)
 
     rows = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    qrow = h * GROUP + rows
-    qf = tl.load(q_ptr + (b * H * GROUP + qrow[:, None]).to(tl.int64) * D + d[None, :],
-                 mask=(rows < GROUP)[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    q = qf.to(DOT)
-    tok = tl.arange(0, BLOCK_G)                         # token slot in a block: 4 * byte + code
-    j = tl.arange(0, BLOCK_G4)
-    c = tl.arange(0, BLOCK_D4)
-    i4 = tl.arange(0, 4)
-    shifts = (i4 * 2)[None, None, :]
+    rmask = rows < GROUP
+    q_rows = q_ptr + (b * H * GROUP + h * GROUP + rows).to(tl.int64) * D
     kv_head = (b * H + h).to(tl.int64)
+    kfp = kfp_ptr + kv_head * CK * D
+    vfp = vfp_ptr + kv_head * CV * D
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for blk in range(start, end):
-        in_sink = blk < n_sink_blocks
-        page = blk - n_sink_blocks                      # page slot for blocks after the sink
-        n_valid = tl.where(in_sink, sink_len - blk * G, tl.where(page < nkp, G, length - S - page * G))
-        # ---- scores: key page (dequantized in registers) or full-precision keys
-        if (page >= 0) & (page < nkp):
-            kpg = tl.load(ktab_ptr + b * KMP + page).to(tl.int64) * H + h
-            scale = tl.load(kscale_ptr + kpg * D + d, mask=dmask, other=0.0).to(tl.float32)
-            zero = tl.load(kzero_ptr + kpg * D + d, mask=dmask, other=0.0).to(tl.float32)
-            bmask = dmask[:, None] & (j < G4)[None, :]
-            code = _unpack(tl.load(klow_ptr + kpg * D * G4 + d[:, None] * G4 + j[None, :], mask=bmask, other=0),
-                           shifts)
-            if NB > 0:
-                idx = tl.load(kidx_ptr + kpg * D + d, mask=dmask, other=255).to(tl.int32)
-                boosted = idx < NB
-                high = tl.load(khigh_ptr + kpg * NB * G4 + tl.where(boosted, idx, 0)[:, None] * G4 + j[None, :],
-                               mask=bmask & boosted[:, None], other=0)
-                code = code | (_unpack(high, shifts) << 2)
-            kt = tl.reshape(code, (BLOCK_D, BLOCK_G)).to(DOT)
-            s = tl.dot((qf * scale[None, :]).to(DOT), kt, input_precision=PREC)
-            s += tl.sum(qf * zero[None, :], axis=1)[:, None]
-        else:
-            kbase = tl.where(in_sink, blk * G, S + (page - nkp) * G)
-            kt = tl.load(kfp_ptr + (kv_head * CK + kbase + tok[None, :]) * D + d[:, None],
-                         mask=dmask[:, None] & (tok < n_valid)[None, :], other=0.0)
-            s = tl.dot(q, kt.to(DOT), input_precision=PREC)
-        s = tl.where((tok < n_valid)[None, :], s * qk_scale, float("-inf"))
-        # ---- online softmax (base 2: qk_scale carries log2(e))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        m_i = m_new
-        # ---- values: value page (dequantized in registers) or full-precision values
-        if (page >= 0) & (page < nvp):
-            vpg = tl.load(vtab_ptr + b * VMP + page).to(tl.int64) * H + h
-            vscale = tl.load(vscale_ptr + vpg * G + tok, mask=tok < G, other=0.0).to(tl.float32)
-            vzero = tl.load(vzero_ptr + vpg * G + tok, mask=tok < G, other=0.0).to(tl.float32)
-            offs = vpg * G * D4 + tok[:, None] * D4 + c[None, :]
-            vmask = (tok < G)[:, None] & (c < D4)[None, :]
-            code = _unpack(tl.load(vlow_ptr + offs, mask=vmask, other=0), shifts)
-            if V_BITS == 4:
-                code = code | (_unpack(tl.load(vhigh_ptr + offs, mask=vmask, other=0), shifts) << 2)
-            v = tl.reshape(code, (BLOCK_G, BLOCK_D)).to(DOT)
-            acc += tl.dot((p * vscale[None, :]).to(DOT), v, input_precision=PREC)
-            acc += tl.sum(p * vzero[None, :], axis=1)[:, None]
-        else:
-            vbase = tl.where(in_sink, blk * G, S + (page - nvp) * G)
-            v = tl.load(vfp_ptr + (kv_head * CV + vbase + tok[:, None]) * D + d[None, :],
-                        mask=(tok < n_valid)[:, None] & dmask[None, :], other=0.0)
-            acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
+    zacc = tl.zeros((BLOCK_M,), tl.float32)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
 
-    part = (b * H * GROUP + qrow).to(tl.int64) * NSPLIT + split
-    rmask = rows < GROUP
+    for slot in range(start, end):                      # both pages quantized: no branch in the loop body
+        kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
+        vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
+        s0, s1, s2, s3 = _key_page_scores(q_rows, rmask, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, kpage,
+                                          D, G4, NB, DOT, PREC, ASM, BLOCK_M, BLOCK_G4, BLOCK_NB)
+        p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, qk_scale, G4, BLOCK_G4)
+        acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
+        zacc = zacc * alpha
+        acc0, acc1, acc2, acc3, zacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
+                                                      vzero_ptr, vpage, 0, G, D4, V_BITS, DOT, PREC, ASM, BLOCK_G4, BLOCK_D4)
+        acc0, acc1, acc2, acc3, zacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
+                                                      vzero_ptr, vpage, 1, G, D4, V_BITS, DOT, PREC, ASM, BLOCK_G4, BLOCK_D4)
+        acc0, acc1, acc2, acc3, zacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
+                                                      vzero_ptr, vpage, 2, G, D4, V_BITS, DOT, PREC, ASM, BLOCK_G4, BLOCK_D4)
+        acc0, acc1, acc2, acc3, zacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
+                                                      vzero_ptr, vpage, 3, G, D4, V_BITS, DOT, PREC, ASM, BLOCK_G4, BLOCK_D4)
+
+    for blk in range(0, n_rest):                        # sink blocks, then the slots after the paged ones
+        in_sink = blk < n_sink_blocks
+        slot = blk - n_sink_blocks + n_paged
+        n_valid = tl.where(in_sink, sink_len - blk * G, tl.minimum(G, length - S - slot * G))
+        if (blk >= n_sink_blocks) & (slot < nkp):
+            kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
+            s0, s1, s2, s3 = _key_page_scores(q_rows, rmask, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
+                                              kpage, D, G4, NB, DOT, PREC, ASM, BLOCK_M, BLOCK_G4, BLOCK_NB)
+        else:
+            row0 = tl.where(in_sink, blk * G, S + (slot - nkp) * G)
+            s0, s1, s2, s3 = _fp_key_scores(q_rows, rmask, kfp, row0, n_valid, D, G4, DOT, PREC, BLOCK_M, BLOCK_G4)
+        p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, qk_scale, G4, BLOCK_G4)
+        acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
+        zacc = zacc * alpha
+        if (blk >= n_sink_blocks) & (slot < nvp):
+            vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
+            acc0, acc1, acc2, acc3, zacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 0, G, D4, V_BITS, DOT, PREC,
+                                                          ASM, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 1, G, D4, V_BITS, DOT, PREC,
+                                                          ASM, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 2, G, D4, V_BITS, DOT, PREC,
+                                                          ASM, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 3, G, D4, V_BITS, DOT, PREC,
+                                                          ASM, BLOCK_G4, BLOCK_D4)
+        else:
+            row0 = tl.where(in_sink, blk * G, S + (slot - nvp) * G)
+            acc0, acc1, acc2, acc3 = _fp_value_quarter(p0, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 0, D, G4, DOT,
+                                                       PREC, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3 = _fp_value_quarter(p1, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 1, D, G4, DOT,
+                                                       PREC, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3 = _fp_value_quarter(p2, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 2, D, G4, DOT,
+                                                       PREC, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3 = _fp_value_quarter(p3, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 3, D, G4, DOT,
+                                                       PREC, BLOCK_G4, BLOCK_D4)
+
+    part = (b * H * GROUP + h * GROUP + rows).to(tl.int64) * (NSPLIT + 1) + split
     tl.store(pm_ptr + part, m_i, mask=rmask)
     tl.store(pl_ptr + part, l_i, mask=rmask)
-    tl.store(po_ptr + part[:, None] * D + d[None, :], acc, mask=rmask[:, None] & dmask[None, :])
+    c = tl.arange(0, BLOCK_D4)
+    out = po_ptr + part[:, None] * D + c[None, :]
+    omask = rmask[:, None] & (c < D4)[None, :]
+    tl.store(out, acc0 + zacc[:, None], mask=omask)
+    tl.store(out + D4, acc1 + zacc[:, None], mask=omask)
+    tl.store(out + 2 * D4, acc2 + zacc[:, None], mask=omask)
+    tl.store(out + 3 * D4, acc3 + zacc[:, None], mask=omask)
 
 
 @triton.jit
-def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, D: tl.constexpr, NSPLIT: tl.constexpr,
+def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, D: tl.constexpr, NPART: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                 # one (sequence, query head)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = sp < NSPLIT
-    m = tl.load(pm_ptr + row * NSPLIT + sp, mask=smask, other=float("-inf"))
-    l = tl.load(pl_ptr + row * NSPLIT + sp, mask=smask, other=0.0)
-    o = tl.load(po_ptr + (row * NSPLIT + sp[:, None]) * D + d[None, :], mask=smask[:, None] & (d < D)[None, :],
+    smask = sp < NPART
+    m = tl.load(pm_ptr + row * NPART + sp, mask=smask, other=float("-inf"))
+    l = tl.load(pl_ptr + row * NPART + sp, mask=smask, other=0.0)
+    o = tl.load(po_ptr + (row * NPART + sp[:, None]) * D + d[None, :], mask=smask[:, None] & (d < D)[None, :],
                 other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
@@ -185,21 +389,29 @@ def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, D: tl.constexpr, NSPLI
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def dot_dtype(dtype: torch.dtype):
     """Operand type of the matrix products: the model's half type on a GPU. Triton's CPU interpreter computes
     bfloat16 arithmetic wrongly (numpy has no bfloat16), so interpreted bfloat16 runs use float32 operands."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if dtype == torch.float16:
         return tl.float16
-    if dtype == torch.bfloat16 and not interpreted:
+    if dtype == torch.bfloat16 and not interpreted():
         return tl.bfloat16
     return tl.float32
 
 
-def default_splits(batch: int, kv_heads: int, max_blocks: int, sm_count: int = 132) -> int:
-    """Enough slices to give every multiprocessor ~2 programs, never more slices than blocks."""
-    want = triton.cdiv(2 * sm_count, batch * kv_heads)
-    return max(1, min(want, max_blocks, 64))
+PROGRAMS_PER_SM = 8         # programs of one warp each; tuned on the H200 (BENCHMARKS.md)
+MIN_PAGES_PER_SPLIT = 4     # below this, a program's set-up outweighs its share of pages
+
+
+def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 132) -> int:
+    """Programs over the paged blocks per (sequence, KV head): enough to give every multiprocessor
+    PROGRAMS_PER_SM of them, but no fewer than MIN_PAGES_PER_SPLIT pages each."""
+    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, batch * kv_heads)
+    return max(1, min(want, triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
 
 
 class DecodeWorkspace:
@@ -210,50 +422,55 @@ class DecodeWorkspace:
     def __init__(self):
         self.buffers: tuple[torch.Tensor, ...] = ()
 
-    def get(self, q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, ...]:
+    def get(self, q: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, ...]:
         bsz, hq, d = q.shape
         out = self.buffers[3] if self.buffers else None
         if out is None or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device \
-                or self.buffers[1].shape[2] != num_splits:
-            part_o = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
-            part_m = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
+                or self.buffers[1].shape[2] != num_parts:
+            part_o = torch.empty((bsz, hq, num_parts, d), dtype=torch.float32, device=q.device)
+            part_m = torch.empty((bsz, hq, num_parts), dtype=torch.float32, device=q.device)
             self.buffers = (part_o, part_m, torch.empty_like(part_m), torch.empty_like(q))
         return self.buffers
 
 
 def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
-    (output, max, sum) partials, their split count sets NSPLIT. Also used to compile the kernel for a profile."""
+    (output, max, sum) partials, whose part count is the number of splits + 1. Also used to compile the kernel
+    for a profile."""
     part_o, part_m, part_l = parts
     bsz, hq, d = q.shape
     h, g = kv.k_fp.shape[1], kv.page_size
-    args = (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_idx, kv.k_scale, kv.k_zero,
+    args = (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero,
             kv.v_low, kv.v_high, kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages,
             kv.n_vpages, part_o, part_m, part_l, sm_scale * math.log2(math.e), kv.k_fp.shape[2], kv.v_fp.shape[2],
-            kv.k_table.shape[1], kv.v_table.shape[1])
+            kv.k_table.shape[1], kv.v_table.shape[1], part_m.shape[2] - 1)
+    dot = dot_dtype(q.dtype)
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits,
-                     NSPLIT=part_m.shape[2], DOT=dot_dtype(q.dtype),
-                     PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                     BLOCK_M=max(16, triton.next_power_of_2(hq // h)), BLOCK_D=triton.next_power_of_2(d),
-                     BLOCK_G4=max(4, triton.next_power_of_2(g // 4)))
+                     DOT=dot, PREC="ieee" if dot == tl.float32 else "tf32",
+                     ASM=0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0),
+                     BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
+                     BLOCK_G4=max(16, triton.next_power_of_2(g // 4)), BLOCK_D4=max(16, triton.next_power_of_2(d // 4)),
+                     BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)))
     return args, constants
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
-                     workspace: DecodeWorkspace | None = None) -> torch.Tensor:
+                     workspace: DecodeWorkspace | None = None, num_warps: int = 1,
+                     num_stages: int = 3) -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
+    num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
+    num_warps / num_stages: warps per program and software-pipelining depth (defaults tuned on the H200).
     With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     if num_splits is None:
-        max_blocks = triton.cdiv(kv.k_fp.shape[2], kv.page_size) + kv.k_table.shape[1] + 1
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        num_splits = default_splits(bsz, h, max_blocks, sm_count)
+        num_splits = default_splits(bsz, h, max(1, kv.k_table.shape[1]), sm_count)
     q = q.contiguous()
-    part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_splits)
+    part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_splits + 1)
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l))
-    _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=4)
-    _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, D=d, NSPLIT=num_splits,
+    _decode_split_kernel[(bsz, h, num_splits + 1)](*args, **constants, num_warps=num_warps, num_stages=num_stages)
+    _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, D=d, NPART=num_splits + 1,
                                       BLOCK_D=triton.next_power_of_2(d),
-                                      BLOCK_S=triton.next_power_of_2(num_splits), num_warps=1)
+                                      BLOCK_S=triton.next_power_of_2(num_splits + 1), num_warps=1)
     return out

@@ -3,7 +3,8 @@
 Both sides share one rounding recipe so the Triton kernels equal their references bit for bit:
     scale = fp16((max - min) / levels), zero = fp16(min)        (divisions IEEE-rounded)
     code  = clamp(floor((x - zero) / scale + 0.5), 0, levels)   (scale 0 -> code 0: a constant channel)
-with levels = 3 (2 bits) or 15 (4 bits). Inputs are (N, H, G, D): N pages of G tokens, H KV heads.
+with levels = 3 (2 bits) or 15 (4 bits). Inputs are (N, H, G, D): N pages of G tokens, H KV heads. The packed
+layout (token quarters for keys, channel quarters for values) is described in layout.py.
 """
 from __future__ import annotations
 
@@ -11,33 +12,27 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import NO_BOOST, SCALE_DTYPE, pack_2bit
+from .layout import SCALE_DTYPE, boost_mask, pack_quarters
 
 
 # ---------------------------------------------------------------------------------------------- boost choice
 def choose_boost(x: torch.Tensor, n_boost: int, selection: str = "magnitude",
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the boosted channels of each (page, head): the top n_boost by mean |k| over the page (Eq. 2),
-    or n_boost random ones. Returns (idx (N, H, D) uint8: row in the high plane or NO_BOOST, magnitudes (N, H, D)).
-    Rows follow channel order, so a page's high plane lists its boosted channels from low to high."""
+    or n_boost random ones. Returns (ch (N, H, NB) uint8: the boosted channels ascending, magnitudes (N, H, D))."""
     n, h, _, d = x.shape
     # L1 norm accumulated in float32, without writing float copies of the pages (as .float().abs() did)
     magnitudes = torch.linalg.vector_norm(x, ord=1, dim=2, dtype=torch.float32) / x.shape[2]
-    idx = torch.full((n, h, d), NO_BOOST, dtype=torch.uint8, device=x.device)
-    if n_boost == 0:
-        return idx, magnitudes
     if n_boost == d:
-        idx[:] = torch.arange(d, dtype=torch.uint8, device=x.device)
-        return idx, magnitudes
+        return torch.arange(d, dtype=torch.uint8, device=x.device).expand(n, h, d).contiguous(), magnitudes
+    if n_boost == 0:
+        return torch.empty((n, h, 0), dtype=torch.uint8, device=x.device), magnitudes
     if selection == "magnitude":
         score = magnitudes
     else:
         score = torch.rand((n, h, d), generator=generator, device=generator.device if generator else "cpu")
         score = score.to(x.device)
-    chosen = score.topk(n_boost, dim=-1).indices.sort(dim=-1).values
-    rows = torch.arange(n_boost, dtype=torch.uint8, device=x.device).expand(n, h, n_boost)
-    idx.scatter_(-1, chosen, rows)
-    return idx, magnitudes
+    return score.topk(n_boost, dim=-1).indices.sort(dim=-1).values.to(torch.uint8), magnitudes
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -52,29 +47,24 @@ def _codes(x32: torch.Tensor, dim: int, levels: torch.Tensor):
     return code, scale.squeeze(dim), zero.squeeze(dim)
 
 
-def quantize_keys_ref(x: torch.Tensor, idx: torch.Tensor, n_boost: int):
-    """x (N, H, G, D), idx (N, H, D) -> low (N, H, D, G/4), high (N, H, NB, G/4), scale, zero (N, H, D)."""
-    n, h, g, d = x.shape
-    xt = x.float().transpose(2, 3)                                   # (N, H, D, G): per-channel rows
-    boosted = idx.to(torch.int32) < n_boost
-    levels = torch.where(boosted, 15.0, 3.0).unsqueeze(-1)
-    code, scale, zero = _codes(xt, -1, levels)
-    low = pack_2bit(code & 3)
-    high = torch.zeros((n, h, n_boost, g // 4), dtype=torch.uint8, device=x.device)
-    if n_boost:
-        rows = idx.long().clamp(max=n_boost - 1)                     # non-boosted rows are masked out below
-        hi = pack_2bit(code >> 2)
-        sel = boosted.nonzero(as_tuple=True)
-        high[sel[0], sel[1], rows[sel]] = hi[sel]
+def quantize_keys_ref(x: torch.Tensor, ch: torch.Tensor, n_boost: int):
+    """x (N, H, G, D), ch (N, H, NB) -> low (N, H, G/4, D), high (N, H, G/4, NB), scale, zero (N, H, D)."""
+    levels = torch.where(boost_mask(ch, x.shape[3]), 15.0, 3.0).unsqueeze(2)      # (N, H, 1, D)
+    code, scale, zero = _codes(x.float(), 2, levels)                             # per channel, over tokens
+    low = pack_quarters(code & 3, dim=2)
+    high = pack_quarters(code.gather(3, ch.long().unsqueeze(2).expand(-1, -1, x.shape[2], -1)) >> 2, dim=2)
     return low, high, scale, zero
 
 
 def quantize_values_ref(x: torch.Tensor, bits: int):
-    """x (N, H, G, D) -> low (N, H, G, D/4), high (N, H, G, D/4) or an empty plane for 2 bits, scale, zero (N, H, G)."""
+    """x (N, H, G, D) -> low (N, H, D/4, G), high (N, H, D/4, G) or an empty plane for 2 bits, scale, zero (N, H, G)."""
     levels = torch.tensor(float(2 ** bits - 1), device=x.device)
-    code, scale, zero = _codes(x.float(), -1, levels)
-    low = pack_2bit(code & 3)
-    high = pack_2bit(code >> 2) if bits == 4 else low.new_zeros((*low.shape[:2], 0, low.shape[3]))
+    code, scale, zero = _codes(x.float(), -1, levels)                           # per token, over channels
+    low = pack_quarters(code & 3, dim=3).transpose(2, 3).contiguous()
+    if bits == 4:
+        high = pack_quarters(code >> 2, dim=3).transpose(2, 3).contiguous()
+    else:
+        high = low.new_zeros((*low.shape[:2], 0, low.shape[3]))
     return low, high, scale, zero
 
 
@@ -96,58 +86,68 @@ def _encode(x, mask, scale, zero, levels):
 
 @triton.jit
 def _pack(c0, c1, c2, c3):
-    """Four 2-bit code tiles -> one byte tile, tile i at bits 2i (tile i holds element 4j+i of the packed dim)."""
+    """Four 2-bit code tiles -> one byte tile, tile i at bits 2i (tile i holds quarter i of the packed dim)."""
     return ((c0 & 3) | (c1 & 3) << 2 | (c2 & 3) << 4 | (c3 & 3) << 6).to(tl.uint8)
 
 
 @triton.jit
-def _min4(x0, x1, x2, x3, mask, axis: tl.constexpr):
-    big = float("inf")
-    lo = tl.minimum(tl.minimum(tl.where(mask, x0, big), tl.where(mask, x1, big)),
-                    tl.minimum(tl.where(mask, x2, big), tl.where(mask, x3, big)))
-    return tl.min(lo, axis=axis)
+def _extremum4(x0, x1, x2, x3, mask, axis: tl.constexpr, largest: tl.constexpr):
+    """Min (largest=False) or max of four tiles along `axis`, masked elements ignored."""
+    if largest:
+        fill = float("-inf")
+        return tl.max(tl.maximum(tl.maximum(tl.where(mask, x0, fill), tl.where(mask, x1, fill)),
+                                 tl.maximum(tl.where(mask, x2, fill), tl.where(mask, x3, fill))), axis=axis)
+    fill = float("inf")
+    return tl.min(tl.minimum(tl.minimum(tl.where(mask, x0, fill), tl.where(mask, x1, fill)),
+                             tl.minimum(tl.where(mask, x2, fill), tl.where(mask, x3, fill))), axis=axis)
 
 
 @triton.jit
-def _max4(x0, x1, x2, x3, mask, axis: tl.constexpr):
-    small = float("-inf")
-    hi = tl.maximum(tl.maximum(tl.where(mask, x0, small), tl.where(mask, x1, small)),
-                    tl.maximum(tl.where(mask, x2, small), tl.where(mask, x3, small)))
-    return tl.max(hi, axis=axis)
-
-
-# The tiles are kept 2-D, one per position in a byte (no 3-D tensors or reshapes): Triton 3.6 fails to compile
-# the 3-D form of this kernel for head_dim 128 (a layout pass breaks SSA dominance).
-@triton.jit
-def _quantize_keys_kernel(x_ptr, idx_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
-                          G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)                              # one (page, head)
-    d = tl.arange(0, BLOCK_D)
-    j = tl.arange(0, BLOCK_G4)
-    dmask = d < D
-    mask = dmask[:, None] & (j < G // 4)[None, :]
-    src = x_ptr + pid * G * D + d[:, None] + (4 * j[None, :]) * D    # (channel, token 4j) tile; +i*D: token 4j+i
+def _key_quarter_codes(src, mask, G4: tl.constexpr, D: tl.constexpr, levels):
+    """Codes of the four token quarters of a (token, channel) tile at `src` (+ i*G4*D: quarter i), quantized
+    per channel (columns) over all G tokens, and the channels' FP16 scale / zero."""
     x0 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(src + D, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + 2 * D, mask=mask, other=0.0).to(tl.float32)
-    x3 = tl.load(src + 3 * D, mask=mask, other=0.0).to(tl.float32)
-    idx = tl.load(idx_ptr + pid * D + d, mask=dmask, other=255).to(tl.int32)
-    boosted = idx < NB
-    levels = tl.where(boosted, 15.0, 3.0)
-    scale, zero = _params(_min4(x0, x1, x2, x3, mask, 1), _max4(x0, x1, x2, x3, mask, 1), levels)
-    s, z, lv = scale[:, None], zero[:, None], levels[:, None]
-    c0 = _encode(x0, mask, s, z, lv)
-    c1 = _encode(x1, mask, s, z, lv)
-    c2 = _encode(x2, mask, s, z, lv)
-    c3 = _encode(x3, mask, s, z, lv)
-    tl.store(low_ptr + pid * D * (G // 4) + d[:, None] * (G // 4) + j[None, :], _pack(c0, c1, c2, c3), mask=mask)
+    x1 = tl.load(src + G4 * D, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + 2 * G4 * D, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(src + 3 * G4 * D, mask=mask, other=0.0).to(tl.float32)
+    scale, zero = _params(_extremum4(x0, x1, x2, x3, mask, 0, False), _extremum4(x0, x1, x2, x3, mask, 0, True),
+                          levels)
+    s, z, lv = scale[None, :], zero[None, :], levels[None, :]
+    return (_encode(x0, mask, s, z, lv), _encode(x1, mask, s, z, lv), _encode(x2, mask, s, z, lv),
+            _encode(x3, mask, s, z, lv), scale, zero)
+
+
+# The tiles are kept 2-D, one per quarter (no 3-D tensors or reshapes): Triton 3.6 fails to compile the 3-D form
+# of these kernels for head_dim 128 (a layout pass breaks SSA dominance).
+@triton.jit
+def _quantize_keys_kernel(x_ptr, ch_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
+                          G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)                              # one (page, head)
+    G4: tl.constexpr = G // 4
+    j = tl.arange(0, BLOCK_G4)
+    d = tl.arange(0, BLOCK_D)
+    jmask = j < G4
+    x_page = x_ptr + pid * G * D
+    # which channels are boosted: 4-bit levels for them, also in the low plane (it holds their low 2 bits)
+    boosted = d < 0
     if NB > 0:
-        rows = tl.minimum(idx, NB - 1)[:, None]                      # masked below for unboosted channels
-        tl.store(high_ptr + pid * NB * (G // 4) + rows * (G // 4) + j[None, :],
-                 _pack(c0 >> 2, c1 >> 2, c2 >> 2, c3 >> 2), mask=mask & (rows == idx[:, None]))
-    tl.store(scale_ptr + pid * D + d, scale, mask=dmask)
-    tl.store(zero_ptr + pid * D + d, zero, mask=dmask)
+        r = tl.arange(0, BLOCK_NB)
+        ch = tl.load(ch_ptr + pid * NB + r, mask=r < NB, other=BLOCK_D).to(tl.int32)
+        boosted = tl.max((ch[None, :] == d[:, None]).to(tl.int32), axis=1) > 0
+    mask = jmask[:, None] & (d < D)[None, :]
+    c0, c1, c2, c3, scale, zero = _key_quarter_codes(x_page + j[:, None] * D + d[None, :], mask, G4, D,
+                                                     tl.where(boosted, 15.0, 3.0))
+    tl.store(low_ptr + pid * G4 * D + j[:, None] * D + d[None, :], _pack(c0, c1, c2, c3), mask=mask)
+    tl.store(scale_ptr + pid * D + d, scale, mask=d < D)
+    tl.store(zero_ptr + pid * D + d, zero, mask=d < D)
+    if NB > 0:
+        # the high plane from the boosted columns read again (same values, so the same scale and codes)
+        hmask = jmask[:, None] & (r < NB)[None, :]
+        h0, h1, h2, h3, _, _ = _key_quarter_codes(x_page + j[:, None] * D + ch[None, :], hmask, G4, D,
+                                                  tl.full((BLOCK_NB,), 15.0, tl.float32))
+        tl.store(high_ptr + pid * G4 * NB + j[:, None] * NB + r[None, :], _pack(h0 >> 2, h1 >> 2, h2 >> 2, h3 >> 2),
+                 mask=hmask)
 
 
 @triton.jit
@@ -155,23 +155,25 @@ def _quantize_values_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
                             G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                             BLOCK_G: tl.constexpr, BLOCK_D4: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    D4: tl.constexpr = D // 4
     t = tl.arange(0, BLOCK_G)
     c = tl.arange(0, BLOCK_D4)
     tmask = t < G
-    mask = tmask[:, None] & (c < D // 4)[None, :]
-    src = x_ptr + pid * G * D + t[:, None] * D + 4 * c[None, :]      # (token, channel 4c) tile; +i: channel 4c+i
+    mask = tmask[:, None] & (c < D4)[None, :]
+    src = x_ptr + pid * G * D + t[:, None] * D + c[None, :]          # (token, channel c) tile; + i*D4: quarter i
     x0 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + 2, mask=mask, other=0.0).to(tl.float32)
-    x3 = tl.load(src + 3, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(src + D4, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + 2 * D4, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(src + 3 * D4, mask=mask, other=0.0).to(tl.float32)
     levels = 2.0 ** BITS - 1.0
-    scale, zero = _params(_min4(x0, x1, x2, x3, mask, 1), _max4(x0, x1, x2, x3, mask, 1), levels)
+    scale, zero = _params(_extremum4(x0, x1, x2, x3, mask, 1, False), _extremum4(x0, x1, x2, x3, mask, 1, True),
+                          levels)
     s, z = scale[:, None], zero[:, None]
     c0 = _encode(x0, mask, s, z, levels)
     c1 = _encode(x1, mask, s, z, levels)
     c2 = _encode(x2, mask, s, z, levels)
     c3 = _encode(x3, mask, s, z, levels)
-    offs = pid * G * (D // 4) + t[:, None] * (D // 4) + c[None, :]
+    offs = pid * D4 * G + c[None, :] * G + t[:, None]                # stored (channel byte, token): tokens contiguous
     tl.store(low_ptr + offs, _pack(c0, c1, c2, c3), mask=mask)
     if BITS == 4:
         tl.store(high_ptr + offs, _pack(c0 >> 2, c1 >> 2, c2 >> 2, c3 >> 2), mask=mask)
@@ -179,18 +181,18 @@ def _quantize_values_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
     tl.store(zero_ptr + pid * G + t, zero, mask=tmask)
 
 
-def quantize_keys(x: torch.Tensor, idx: torch.Tensor, n_boost: int):
+def quantize_keys(x: torch.Tensor, ch: torch.Tensor, n_boost: int):
     """Triton launch of quantize_keys_ref (same arguments, same results bit for bit)."""
     n, h, g, d = x.shape
     x = x.contiguous()
-    low = torch.empty((n, h, d, g // 4), dtype=torch.uint8, device=x.device)
-    high = torch.empty((n, h, n_boost, g // 4), dtype=torch.uint8, device=x.device)
+    low = torch.empty((n, h, g // 4, d), dtype=torch.uint8, device=x.device)
+    high = torch.empty((n, h, g // 4, n_boost), dtype=torch.uint8, device=x.device)
     scale = torch.empty((n, h, d), dtype=SCALE_DTYPE, device=x.device)
     zero = torch.empty_like(scale)
     if n * h:
-        _quantize_keys_kernel[(n * h,)](x, idx.contiguous(), low, high, scale, zero, G=g, D=d, NB=n_boost,
-                                        BLOCK_D=triton.next_power_of_2(d),
-                                        BLOCK_G4=triton.next_power_of_2(g // 4), num_warps=4)
+        _quantize_keys_kernel[(n * h,)](x, ch.contiguous(), low, high, scale, zero, G=g, D=d, NB=n_boost,
+                                        BLOCK_D=triton.next_power_of_2(d), BLOCK_G4=triton.next_power_of_2(g // 4),
+                                        BLOCK_NB=triton.next_power_of_2(max(n_boost, 1)), num_warps=4)
     return low, high, scale, zero
 
 
@@ -198,8 +200,8 @@ def quantize_values(x: torch.Tensor, bits: int):
     """Triton launch of quantize_values_ref (same arguments, same results bit for bit)."""
     n, h, g, d = x.shape
     x = x.contiguous()
-    low = torch.empty((n, h, g, d // 4), dtype=torch.uint8, device=x.device)
-    high = torch.empty((n, h, g if bits == 4 else 0, d // 4), dtype=torch.uint8, device=x.device)
+    low = torch.empty((n, h, d // 4, g), dtype=torch.uint8, device=x.device)
+    high = torch.empty((n, h, d // 4 if bits == 4 else 0, g), dtype=torch.uint8, device=x.device)
     scale = torch.empty((n, h, g), dtype=SCALE_DTYPE, device=x.device)
     zero = torch.empty_like(scale)
     if n * h:

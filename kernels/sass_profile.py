@@ -42,13 +42,13 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
     f16 = lambda *shape: torch.zeros(shape, dtype=SCALE_DTYPE)  # noqa: E731
     i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32)  # noqa: E731
     return PagedKV(torch.zeros(1, h, s + g, d, dtype=dtype), torch.zeros(1, h, s + 2 * g, d, dtype=dtype),
-                   u8(1, h, d, g // 4), u8(1, h, nb, g // 4), u8(1, h, d), f16(1, h, d), f16(1, h, d),
-                   u8(1, h, g, d // 4), u8(1, h, g if cfg.v_bits == 4 else 0, d // 4), f16(1, h, g), f16(1, h, g),
+                   u8(1, h, g // 4, d), u8(1, h, g // 4, nb), u8(1, h, nb), f16(1, h, d), f16(1, h, d),
+                   u8(1, h, d // 4, g), u8(1, h, d // 4 if cfg.v_bits == 4 else 0, g), f16(1, h, g), f16(1, h, g),
                    i32(1, 1), i32(1, 1), i32(1), i32(1), i32(1), s, g, nb, cfg.v_bits)
 
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90):
+                         splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -69,7 +69,7 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
             signature[name] = "fp32" if isinstance(value, float) else "i32"
     signature.update({name: "constexpr" for name in constants})
     source = ASTSource(fn=_decode_split_kernel, signature=signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def profile(compiled) -> dict:
@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head (Qwen3-8B: 4)")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (Hopper: 90)")
+    parser.add_argument("--warps", type=int, default=1, help="warps per program (decode_attention's num_warps)")
+    parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run with TRITON_INTERPRET=0: without a GPU, importing kernels/ turns Triton's interpreter on, "
@@ -104,7 +106,8 @@ def main(argv=None) -> int:
         return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
-        row = profile(compile_split_kernel(method, dtype, args.group, arch=args.arch))
+        row = profile(compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
+                                               num_stages=args.stages))
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return 0
 

@@ -37,6 +37,20 @@ def tiny_model(arch: str = "llama", heads: int = 4, kv_heads: int = 2, head_dim:
     return model.to(device).eval()
 
 
+class Fp16DynamicCache:
+    """transformers' DynamicCache holding keys and values rounded to FP16: what the fp16 preset stores for a
+    float32 model (a CPU run), so the two must agree bit for bit."""
+
+    def __new__(cls, config):
+        from transformers import DynamicCache
+
+        class Rounded(DynamicCache):
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                round16 = lambda t: t.to(torch.float16).to(t.dtype)  # noqa: E731
+                return super().update(round16(key_states), round16(value_states), layer_idx, *args, **kwargs)
+        return Rounded(config=config)
+
+
 REPORT: list[str] = []      # measurements tests want shown in the run's summary (pytest_terminal_summary)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layout import NO_BOOST, PagedKV
+from kernels.layout import PagedKV
 from kernels.quantize import choose_boost, quantize_keys_ref, quantize_values_ref
 
 
@@ -32,13 +32,13 @@ def random_paged_kv(lengths, heads=2, head_dim=64, sink=32, page_size=64, window
     k_ids = torch.randperm(total_k, generator=gen)
     v_ids = torch.randperm(total_v, generator=gen)
     nb = d if k_bits == 4 else (n_boost if k_bits == 2 else 0)
-    k_low = torch.randint(0, 256, (total_k, h, d, g // 4), generator=gen, dtype=torch.uint8)
-    k_high = torch.randint(0, 256, (total_k, h, nb, g // 4), generator=gen, dtype=torch.uint8)
-    k_idx = torch.full((total_k, h, d), NO_BOOST, dtype=torch.uint8)
+    k_low = torch.randint(0, 256, (total_k, h, g // 4, d), generator=gen, dtype=torch.uint8)
+    k_high = torch.randint(0, 256, (total_k, h, g // 4, nb), generator=gen, dtype=torch.uint8)
+    k_ch = torch.randint(0, 256, (total_k, h, nb), generator=gen, dtype=torch.uint8)   # junk in unused pages
     k_scale = torch.rand(total_k, h, d, generator=gen).half()
     k_zero = torch.rand(total_k, h, d, generator=gen).half()
-    v_low = torch.randint(0, 256, (total_v, h, g, d // 4), generator=gen, dtype=torch.uint8)
-    v_high = torch.randint(0, 256, (total_v, h, g if v_bits == 4 else 0, d // 4), generator=gen, dtype=torch.uint8)
+    v_low = torch.randint(0, 256, (total_v, h, d // 4, g), generator=gen, dtype=torch.uint8)
+    v_high = torch.randint(0, 256, (total_v, h, d // 4 if v_bits == 4 else 0, g), generator=gen, dtype=torch.uint8)
     v_scale = torch.rand(total_v, h, g, generator=gen).half()
     v_zero = torch.rand(total_v, h, g, generator=gen).half()
     # tables of different widths (as the cache grows them independently), padded with -1
@@ -50,11 +50,11 @@ def random_paged_kv(lengths, heads=2, head_dim=64, sink=32, page_size=64, window
         k_fp[b, :, :sk], v_fp[b, :, :sk] = keys[b][:, :sk], values[b][:, :sk]
         for p in range(nkp):
             x = keys[b][:, sink + p * g: sink + (p + 1) * g].unsqueeze(0)
-            idx, _ = choose_boost(x, nb)
+            ch, _ = choose_boost(x, nb)
             pid = int(k_ids[kpos]); kpos += 1
             k_table[b, p] = pid
-            k_idx[pid] = idx[0]
-            k_low[pid], k_high[pid], k_scale[pid], k_zero[pid] = (t[0] for t in quantize_keys_ref(x, idx, nb))
+            k_ch[pid] = ch[0]
+            k_low[pid], k_high[pid], k_scale[pid], k_zero[pid] = (t[0] for t in quantize_keys_ref(x, ch, nb))
         for p in range(nvp):
             x = values[b][:, sink + p * g: sink + (p + 1) * g].unsqueeze(0)
             pid = int(v_ids[vpos]); vpos += 1
@@ -65,7 +65,7 @@ def random_paged_kv(lengths, heads=2, head_dim=64, sink=32, page_size=64, window
         k_fp[b, :, sink:sink + kt.shape[1]] = kt
         v_fp[b, :, sink:sink + vt.shape[1]] = vt
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
-    kv = PagedKV(k_fp, v_fp, k_low, k_high, k_idx, k_scale, k_zero, v_low, v_high, v_scale, v_zero, k_table,
+    kv = PagedKV(k_fp, v_fp, k_low, k_high, k_ch, k_scale, k_zero, v_low, v_high, v_scale, v_zero, k_table,
                  v_table, as_i32([x[0] for x in layouts]), as_i32([x[1] for x in layouts]),
                  as_i32([x[2] for x in layouts]), sink, g, nb, v_bits)
     if device != "cpu":

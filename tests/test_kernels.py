@@ -17,9 +17,10 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import DecodeWorkspace, decode_attention, decode_attention_ref, gather_kv
+from kernels.decode_attention import (DecodeWorkspace, decode_attention, decode_attention_ref, gather_kv,
+                                      unpack_asm)
 from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
-from kernels.layout import NO_BOOST, pack_2bit, unpack_2bit
+from kernels.layout import boost_mask, pack_quarters, unpack_quarters
 from kernels.quantize import (choose_boost, quantize_keys, quantize_keys_ref, quantize_values,
                               quantize_values_ref)
 
@@ -40,11 +41,12 @@ def rel_err(a, b):
 
 
 def test_pack_roundtrip():
-    q = torch.randint(0, 4, (3, 5, 64))
-    packed = pack_2bit(q)
-    assert packed.shape == (3, 5, 16) and packed.dtype == torch.uint8
-    assert torch.equal(unpack_2bit(packed), q)
-    assert pack_2bit(torch.tensor([1, 2, 3, 0])).item() == 1 | 2 << 2 | 3 << 4  # token 4j+i at bits 2i
+    q = torch.randint(0, 4, (3, 64, 5))
+    packed = pack_quarters(q, dim=1)
+    assert packed.shape == (3, 16, 5) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_quarters(packed, dim=1), q)
+    row = pack_quarters(torch.tensor([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]), dim=0)
+    assert row.tolist() == [1 | 2 << 2 | 3 << 4, 0, 0, 0]         # element j + i*n/4 in byte j at bits 2i
 
 
 @pytest.mark.parametrize("g,d", [(128, 64), (64, 128), (36, 64)])
@@ -53,9 +55,9 @@ def test_pack_roundtrip():
 def test_quantize_keys_bit_exact(g, d, boost, dtype):
     nb = {"none": 0, "kitty": math.ceil(d / 8), "kitty-pro": d // 4, "k4": d}[boost]
     x = random_keys(3, 2, g, d, dtype, seed=g + d + nb)
-    idx, _ = choose_boost(x, nb)
-    ref = quantize_keys_ref(x, idx, nb)
-    out = quantize_keys(x, idx, nb)
+    ch, _ = choose_boost(x, nb)
+    ref = quantize_keys_ref(x, ch, nb)
+    out = quantize_keys(x, ch, nb)
     for name, a, b in zip(("low", "high", "scale", "zero"), out, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.equal(a, b), f"{name} differs in {(a != b).sum().item()} places"
@@ -76,17 +78,17 @@ def test_quantize_values_bit_exact(g, d, bits, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequantize_keys_matches_reference_and_input(d, nb, dtype):
     x = random_keys(2, 2, 128, d, dtype, seed=d + nb)
-    idx, _ = choose_boost(x, nb)
-    low, high, scale, zero = quantize_keys_ref(x, idx, nb)
-    ref = dequantize_keys_ref(low, high, idx, scale, zero, nb, dtype)
-    out = dequantize_keys(low, high, idx, scale, zero, nb, dtype)
+    ch, _ = choose_boost(x, nb)
+    low, high, scale, zero = quantize_keys_ref(x, ch, nb)
+    ref = dequantize_keys_ref(low, high, ch, scale, zero, dtype)
+    out = dequantize_keys(low, high, ch, scale, zero, dtype)
     assert out.shape == x.shape
     assert rel_err(out, ref) < 1e-2 and (out.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()
     # Round trip: every element within half a step of its channel's grid (plus FP16 rounding of scale / zero)
     step = scale.float().unsqueeze(2)                                         # (N, H, 1, D)
     err = (ref.float() - x.float()).abs()
     assert (err <= step / 2 + 1e-2 * (x.float().abs() + ref.float().abs()) + 1e-3).all()  # + bf16 rounding
-    boosted = (idx.long() < nb).unsqueeze(2)
+    boosted = boost_mask(ch, d).unsqueeze(2)
     if 0 < nb < d:  # 4-bit channels land on a grid 5x finer than 2-bit ones with the same range
         assert err[boosted.expand_as(err)].mean() < err[~boosted.expand_as(err)].mean()
 
@@ -105,20 +107,78 @@ def test_dequantize_values_matches_reference(d, bits):
 def test_choose_boost_picks_loudest_channels_and_random_is_reproducible():
     x = torch.randn(2, 3, 128, 64)
     x[..., [7, 9, 40]] *= 50
-    idx, mags = choose_boost(x, 8)
-    boosted = idx < 8
-    assert boosted.sum(-1).eq(8).all()
-    assert boosted[..., [7, 9, 40]].all()
+    ch, mags = choose_boost(x, 8)
+    assert ch.shape == (2, 3, 8) and ch.dtype == torch.uint8
+    assert (ch[..., 1:] > ch[..., :-1]).all()                                 # ascending: row r of the high plane
+    assert boost_mask(ch, 64)[..., [7, 9, 40]].all()
+    assert torch.equal(ch[0, 0].long(), mags[0, 0].topk(8).indices.sort().values)
     assert torch.allclose(mags, x.abs().mean(2))
-    rows = [idx[0, 0, c].item() for c in boosted[0, 0].nonzero().flatten().tolist()]
-    assert rows == list(range(8))                                            # high-plane rows in channel order
-    assert (idx[~boosted] == NO_BOOST).all()
     r1, _ = choose_boost(x, 8, "random", torch.Generator().manual_seed(3))
     r2, _ = choose_boost(x, 8, "random", torch.Generator().manual_seed(3))
     r3, _ = choose_boost(x, 8, "random", torch.Generator().manual_seed(4))
-    assert torch.equal(r1, r2) and not torch.equal(r1, r3) and (r1 < 8).sum(-1).eq(8).all()
+    assert torch.equal(r1, r2) and not torch.equal(r1, r3) and boost_mask(r1, 64).sum(-1).eq(8).all()
     all4, _ = choose_boost(x, 64)
     assert torch.equal(all4[0, 0].long(), torch.arange(64))
+    assert choose_boost(x, 0)[0].shape == (2, 3, 0)
+
+
+def _bf16_or_fp16(bits: int, dtype: torch.dtype) -> float:
+    return torch.tensor([bits - (bits >> 15 << 16)], dtype=torch.int16).view(dtype).float().item()
+
+
+def run_unpack_ptx(asm: str, word: int, dtype: torch.dtype) -> list[float]:
+    """Execute the PTX of unpack_asm on one 32-bit word, instruction by instruction (the subset it uses: mov, prmt,
+    shr, lop3 0xea, fma.rn on 16-bit pairs), and return $0..$7 as 16 values (low half first)."""
+    regs = {"$8": word}
+    value = lambda tok: regs[tok] if tok in regs else int(tok, 0)                   # noqa: E731
+    for ins in (s.strip() for s in asm.strip("{} ").split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        dst, *src = (a.strip() for a in args.split(","))
+        if op == "mov.b32":
+            regs[dst] = value(src[0])
+        elif op == "prmt.b32":
+            pool = value(src[0]) | value(src[1]) << 32
+            sel = value(src[2])
+            regs[dst] = sum(((pool >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4))
+        elif op == "shr.b32":
+            regs[dst] = value(src[0]) >> value(src[1])
+        elif op == "lop3.b32":
+            assert src[3] == "0xea"                                                 # (a & b) | c
+            regs[dst] = (value(src[0]) & value(src[1])) | value(src[2])
+        elif op.startswith("fma.rn."):
+            a, b, c = (value(s) for s in src)
+            halves = []
+            for k in (0, 16):
+                x, y, z = (_bf16_or_fp16((v >> k) & 0xFFFF, dtype) for v in (a, b, c))
+                r = torch.tensor([x * y + z], dtype=torch.float64).to(dtype)     # exact here: one rounding
+                halves.append((r.view(torch.int16).item() & 0xFFFF) << k)
+            regs[dst] = halves[0] | halves[1]
+        else:
+            raise AssertionError(f"unexpected instruction {ins}")
+    out = []
+    for k in range(8):
+        out += [_bf16_or_fp16(regs[f"${k}"] & 0xFFFF, dtype), _bf16_or_fp16(regs[f"${k}"] >> 16, dtype)]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_unpack_ptx_turns_every_byte_into_its_four_codes(dtype):
+    """The GPU path's bit trick (its exact PTX text, executed here): a word of bytes b0..b3 gives, for quarter
+    i, the pairs (b0, b1) in $2i and (b2, b3) in $2i+1 of field i, exactly, for all 256 values of every byte."""
+    asm = unpack_asm(dtype)
+    gen = torch.Generator().manual_seed(0)
+    words = [0, 0xFFFFFFFF, 0x1B1B1B1B] + torch.randint(0, 2 ** 32, (40,), generator=gen).tolist()
+    words += [b | (255 - b) << 8 | ((b * 7) % 256) << 16 | ((b * 13 + 5) % 256) << 24 for b in range(256)]
+    for word in words:
+        got = run_unpack_ptx(asm, word, dtype)
+        byte = [(word >> (8 * k)) & 0xFF for k in range(4)]
+        want = []
+        for i in range(4):
+            fields = [(b >> (2 * i)) & 3 for b in byte]
+            want += fields                                                          # b0, b1 | b2, b3
+        assert got == [float(v) for v in want], hex(word)
 
 
 ATTENTION_CASES = [
@@ -177,7 +237,7 @@ def test_workspace_is_reused_across_steps_and_changes_nothing():
     torch.testing.assert_close(out2, decode_attention(q2, kv, 0.125, num_splits=3), atol=0, rtol=0)
     torch.testing.assert_close(expected1, decode_attention(q1, kv, 0.125, num_splits=3), atol=0, rtol=0)
     decode_attention(q1, kv, 0.125, num_splits=4, workspace=workspace)         # another split count: new buffers
-    assert workspace.buffers[0].shape[2] == 4
+    assert workspace.buffers[0].shape[2] == 4 + 1                              # + the program for the rest
 
 
 def test_reference_attention_is_plain_attention_for_full_precision():

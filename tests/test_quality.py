@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import REPORT
+from conftest import REPORT, Fp16DynamicCache
 
 from backend import make_cache
 from backend.analysis import bundled_text, mean_kl, perplexity, teacher_forced_logprobs
@@ -74,12 +74,12 @@ def test_batched_prompts_match_single_runs(default_model):
 
 
 def test_fp16_preset_logits_identical_to_dynamic_cache(default_model):
-    """Prefill, then 150 decode steps teacher-forced: every step's logits equal DynamicCache's bit for bit."""
-    from transformers import DynamicCache
+    """Prefill, then 150 decode steps teacher-forced: every step's logits equal those of transformers'
+    DynamicCache holding the tokens at FP16 (what the preset stores for this float32 model) bit for bit."""
     model, tokenizer = default_model
     ids = tokenizer(bundled_text(), return_tensors="pt").input_ids[:, :200]
     with torch.no_grad():
-        caches = (DynamicCache(config=model.config), make_cache(model, "fp16"))
+        caches = (Fp16DynamicCache(model.config), make_cache(model, "fp16"))
         logits = []
         for cache in caches:
             steps = [model(ids[:, :50], past_key_values=cache, use_cache=True).logits]

@@ -1,0 +1,59 @@
+"""What a cache holds, by arithmetic from the page layout: the bytes one sequence of L tokens uses in each method.
+
+The same accounting as `KittyCache.stats()` counts on a live cache (pages in use, tokens in the full-precision
+buffers at 16 bits, metadata, one page-table entry per page), so a projection to 8K, 32K or 128K tokens is exact
+for the paper's schedule (flush_spread = 1). Tests hold the two against each other.
+"""
+from __future__ import annotations
+
+from kernels.layout import key_page_bytes, value_page_bytes
+
+from .methods import CacheConfig
+
+FP_BYTES = 2                    # full-precision parts are stored at 16 bits
+TABLE_ENTRY_BYTES = 4           # one int32 page id per page in a sequence's page table
+PROJECTION_TOKENS = (8192, 32768, 131072)
+
+
+def fp_tokens(config: CacheConfig, tokens: int) -> tuple[int, int]:
+    """(key, value) tokens of one sequence kept at full precision: sink + Q-buffer (keys), sink + Q-buffer + local
+    window (values), or all of them for 16-bit keys / values."""
+    sink = min(tokens, config.sink)
+    after = tokens - sink
+    g = config.page_size
+    keys = tokens if config.k_bits == 16 else sink + after % g
+    values = tokens if config.v_bits == 16 else sink + after - max(0, after - config.local_window) // g * g
+    return keys, values
+
+
+def layer_bytes(config: CacheConfig, heads: int, head_dim: int, tokens: int) -> tuple[int, int]:
+    """(key bytes, value bytes) one full-attention layer uses for one sequence of `tokens` tokens."""
+    fp_k, fp_v = fp_tokens(config, tokens)
+    row = heads * head_dim * FP_BYTES
+    key_pages, value_pages = (tokens - fp_k) // config.page_size, (tokens - fp_v) // config.page_size
+    nb = config.boosted_channels(head_dim)
+    keys = fp_k * row + key_pages * (key_page_bytes(heads, head_dim, config.page_size, nb) + TABLE_ENTRY_BYTES)
+    values = fp_v * row + value_pages * (value_page_bytes(heads, head_dim, config.page_size, config.v_bits)
+                                         + TABLE_ENTRY_BYTES)
+    return keys, values
+
+
+def sequence_bytes(config: CacheConfig, model_config, tokens: int, sliding_elem_bytes: int = 2) -> int:
+    """Bytes the whole cache uses for one sequence of `tokens` tokens: every full-attention layer in the method's
+    layout, sliding-window layers (hybrid models) at full precision over their window."""
+    from .cache import attention_layer_types       # the cache module imports this one
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    total = 0
+    for kind in attention_layer_types(model_config):
+        if kind == "full_attention":
+            total += sum(layer_bytes(config, heads, head_dim, tokens))
+        else:
+            total += 2 * min(tokens, text.sliding_window) * heads * head_dim * sliding_elem_bytes
+    return total
+
+
+def fp16_sequence_bytes(model_config, tokens: int) -> int:
+    """The same tokens' keys and values at 16 bits in every layer: what each ratio is measured against."""
+    return sequence_bytes(CacheConfig("fp16", k_bits=16, v_bits=16, sink=0), model_config, tokens)
