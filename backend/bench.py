@@ -203,16 +203,18 @@ def bench_tune(args) -> dict:
             chosen = default_splits(batch, h, pages, sm_count)
             splits = sorted({chosen, *(max(1, min(pages, -(-pps * sm_count // (batch * h))))
                                        for pps in (1, 2, 4, 8, 16, 32, 64))})
-            # the split count at 1 warp / 3 stages, then other warps and pipelining depths at the default split
-            settings = [(1, 3, n) for n in splits] + [(w, s, chosen) for w, s in ((1, 2), (1, 4), (2, 3), (4, 3))]
-            for warps, stages, n in settings:
+            # the split count at 1 warp / 3 stages, then other warps, pipelining depths and register caps at the
+            # default split (a cap below what the compiler takes buys occupancy with spills)
+            settings = [(1, 3, n, None) for n in splits] + [(w, s, chosen, r) for w, s, r in (
+                (1, 2, None), (1, 4, None), (2, 3, None), (4, 3, None), (1, 3, 168), (1, 3, 128))]
+            for warps, stages, n, regs in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=n, num_warps=warps,  # noqa: E731
-                                               num_stages=stages)
+                                               num_stages=stages, maxnreg=regs)
                 seconds = median_seconds(run, args.quick)
                 rows.append(dict(batch=batch, tokens=length, method=method, warps=warps, stages=stages, splits=n,
-                                 default=(warps, stages, n) == (1, 3, chosen), us=seconds * 1e6,
-                                 gbs=bytes_read(layer) / seconds / 1e9))
-                print(f"{batch:>3} {length:>6} warps {warps} stages {stages} splits {n:>4}"
+                                 maxnreg=regs, default=(warps, stages, n, regs) == (1, 3, chosen, None),
+                                 us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
+                print(f"{batch:>3} {length:>6} warps {warps} stages {stages} splits {n:>4} maxnreg {regs or '-':>3}"
                       f"{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
                       f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
             del layer, kv, k, v
@@ -400,9 +402,9 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         fig.update_layout(title="Decode attention, median time per call (lower is better)", yaxis_type="log",
                           yaxis_title="microseconds", barmode="group")
     elif result["kind"] == "tune":
-        for setting in dict.fromkeys((r["warps"], r["stages"]) for r in rows):
-            sel = [r for r in rows if (r["warps"], r["stages"]) == setting]
-            fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages",
+        for setting in dict.fromkeys((r["warps"], r["stages"], r["maxnreg"]) for r in rows):
+            sel = [r for r in rows if (r["warps"], r["stages"], r["maxnreg"]) == setting]
+            fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}",
                         x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")

@@ -3,11 +3,11 @@ attention table, the launch-setting sweep, a generation table, and (when a check
 given) the earlier kernel's attention table measured in the same run.
 
     python -m backend.gpu_report --out DIR [--steps tests attention tune generate] [--baseline PATH]
-                                 [--budget-s 560] [--generate-args "--prompt 512 --new-tokens 256"]
+                                 [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...]
 
 Each step is its own process with a share of the time budget; its output goes to DIR/log.txt and its results to
-DIR/<step>.json (few files: the device tool brings back at most 8). Steps that do not fit the budget are
-skipped and say so. BENCHMARKS.md records what each run printed, with this command.
+DIR/<step>.json (few files: the device tool brings back at most 8); each --generate argument list is one
+generation table, DIR/generate<k>.json. Steps that do not fit the budget are skipped and say so. BENCHMARKS.md records what each run printed, with this command.
 """
 from __future__ import annotations
 
@@ -22,19 +22,19 @@ from pathlib import Path
 STEPS = ("tests", "attention", "tune", "baseline", "generate")
 
 
-def step_commands(args, out: Path) -> dict[str, tuple[list[str], str | None]]:
-    """Command line and working directory of each step."""
+def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None]]]:
+    """Command lines and working directory of each step."""
     py = sys.executable
     xdist = ["-n", "8"] if _has_module("xdist") else []
     return {
-        "tests": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist, "tests/test_kernels.py",
-                   "tests/test_cache.py"], None),
-        "attention": ([py, "-m", "backend.bench", "attention", "--out", str(out / "attention.json")], None),
-        "tune": ([py, "-m", "backend.bench", "tune", "--out", str(out / "tune.json")], None),
-        "baseline": ([py, "-m", "backend.bench", "attention", "--methods", "kitty-pro", "kivi-k2v2",
-                      "--out", str(out / "baseline.json")], args.baseline),
-        "generate": ([py, "-m", "backend.bench", "generate", *shlex.split(args.generate_args),
-                      "--out", str(out / "generate.json")], None),
+        "tests": [([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist, "tests/test_kernels.py",
+                    "tests/test_cache.py"], None)],
+        "attention": [([py, "-m", "backend.bench", "attention", "--out", str(out / "attention.json")], None)],
+        "tune": [([py, "-m", "backend.bench", "tune", "--out", str(out / "tune.json")], None)],
+        "baseline": [([py, "-m", "backend.bench", "attention", "--methods", "kitty-pro", "kivi-k2v2",
+                       "--out", str(out / "baseline.json")], args.baseline)],
+        "generate": [([py, "-m", "backend.bench", "generate", *shlex.split(extra),
+                       "--out", str(out / f"generate{k}.json")], None) for k, extra in enumerate(args.generate)],
     }
 
 
@@ -51,8 +51,11 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget for all steps")
     parser.add_argument("--step-s", nargs="*", default=[], metavar="STEP=SECONDS",
                         help="time limit of a step (default: what is left of the budget)")
-    parser.add_argument("--generate-args", default="--prompt 512 --new-tokens 256 --methods hf-static kitty-pro")
+    parser.add_argument("--generate", action="append", metavar="ARGS",
+                        help="arguments of one `bench generate` run (repeatable; default: 512 + 256 tokens, "
+                             "HF static FP16 and kitty-pro)")
     args = parser.parse_args(argv)
+    args.generate = args.generate or ["--prompt 512 --new-tokens 256 --methods hf-static kitty-pro"]
     args.out.mkdir(parents=True, exist_ok=True)
     limits = {k: float(v) for k, v in (item.split("=") for item in args.step_s)}
     deadline = time.monotonic() + args.budget_s
@@ -61,27 +64,28 @@ def main(argv=None) -> int:
     status = {}
     with open(args.out / "log.txt", "a") as log:
         for step in args.steps:
-            command, cwd = commands[step]
-            if step == "baseline" and not cwd:
-                status[step] = "skipped: no --baseline checkout"
-                continue
-            left = deadline - time.monotonic()
-            limit = min(left, limits.get(step, left))
-            if limit < 20:
-                status[step] = "skipped: out of time"
-                continue
-            log.write(f"\n===== {step}: {' '.join(command)} (cwd {cwd or '.'}, limit {limit:.0f} s)\n")
-            log.flush()
-            start = time.monotonic()
-            try:
-                run = subprocess.run(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, timeout=limit,
-                                     env={**env, "PYTHONPATH": cwd or os.getcwd()})
-                status[step] = f"exit {run.returncode} in {time.monotonic() - start:.0f} s"
-            except subprocess.TimeoutExpired:
-                status[step] = f"timed out after {limit:.0f} s"
-            log.write(f"===== {step}: {status[step]}\n")
-            log.flush()
-            print(f"{step}: {status[step]}", flush=True)
+            for k, (command, cwd) in enumerate(commands[step]):
+                name = step if len(commands[step]) == 1 else f"{step}{k}"
+                if step == "baseline" and not cwd:
+                    status[name] = "skipped: no --baseline checkout"
+                    continue
+                left = deadline - time.monotonic()
+                limit = min(left, limits.get(name, limits.get(step, left)))
+                if limit < 20:
+                    status[name] = "skipped: out of time"
+                    continue
+                log.write(f"\n===== {name}: {' '.join(command)} (cwd {cwd or '.'}, limit {limit:.0f} s)\n")
+                log.flush()
+                start = time.monotonic()
+                try:
+                    run = subprocess.run(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, timeout=limit,
+                                         env={**env, "PYTHONPATH": cwd or os.getcwd()})
+                    status[name] = f"exit {run.returncode} in {time.monotonic() - start:.0f} s"
+                except subprocess.TimeoutExpired:
+                    status[name] = f"timed out after {limit:.0f} s"
+                log.write(f"===== {name}: {status[name]}\n")
+                log.flush()
+                print(f"{name}: {status[name]}", flush=True)
     return 0 if all(s.startswith(("exit 0", "skipped")) for s in status.values()) else 1
 
 

@@ -1,10 +1,10 @@
 """Decode attention of one new query per sequence over [sink | key/value pages | key Q-buffer | value tail].
 
 Flash-decoding: each (sequence, KV head) gets NSPLIT programs that share its blocks where both a key page and a
-value page exist (a loop without branches, which Triton software-pipelines), plus one program for the rest (the
-sink and the few blocks of full-precision buffers). Each runs an online softmax with all query heads of the KV
-group in the rows of one tile and writes a partial (max, sum, output); a small second kernel merges them with
-log-sum-exp weights. No score tensor and no full-precision copy of the cache reach memory.
+value page exist (a loop without branches, which Triton software-pipelines), plus one program per remaining
+block (the sink, a key page whose values are still in the window, the buffers). Each runs an online softmax with
+all query heads of the KV group in the rows of one tile and writes a partial (max, sum, output); a small second
+kernel merges them with log-sum-exp weights. No score tensor and no full-precision copy of the cache reach memory.
 
 Dequantization is folded into the two products (exact algebra):
     q . k_t = sum_d (q_d * scale_d) * code_dt + sum_d q_d * zero_d           (keys: per-channel scale / zero)
@@ -13,7 +13,9 @@ so the integer codes themselves are the matrix operands. The page layout (layout
 contracted dimension contiguous and puts a byte's four 2-bit fields in four quarters of the other dimension:
 a 32-bit word of page data holds 4 contracted elements of each of 4 quarters, already in the order the matrix
 units read them, and becomes 16 operand values with bit operations (`_quarters`): no shifting of tiles between
-threads. Keys give scores by token quarter, values accumulate by channel quarter.
+threads. Keys give scores by token quarter, values accumulate by channel quarter. The operands are the codes
+plus a constant (M + w * code, see unpack_asm); the constant's share, M * sum(A), comes out of the same matrix
+units (A times a tile of ones) and is subtracted, w divided out, once per tile.
 """
 from __future__ import annotations
 
@@ -58,12 +60,20 @@ def decode_attention_ref(q: torch.Tensor, kv: PagedKV, sm_scale: float) -> torch
 
 
 # ---------------------------------------------------------------------------------------------- Triton
-# 2-bit fields -> 16-bit operands with bit operations (the lop3 trick of Marlin / BitDecoding). A 32-bit word holds
-# four bytes b0..b3 (4 consecutive elements of the contracted dimension); prmt reorders them (b0, b2, b1, b3) so
-# that the low byte of each 16-bit half is b0 / b1, or b2 / b3 after >> 8. OR-ing the field at bits 2i into the
-# mantissa of a "magic" float M (bf16 128, fp16 1024: spacing 1 there) gives M + c * 4^i; one fused multiply-add
-# per pair, (M + c * 4^i) * 4^-i - M * 4^-i, returns c exactly. bf16 has 7 mantissa bits, so its fourth field
-# (bits 6-7) is shifted down first.
+# 2-bit fields -> 16-bit operands with two bit operations (the lop3 trick of Marlin / BitDecoding). A 32-bit word
+# holds four bytes b0..b3 (4 consecutive elements of the contracted dimension); prmt reorders them (b0, b2, b1, b3)
+# so that the low byte of each 16-bit half is b0 / b1, or b2 / b3 after >> 8. OR-ing the field at bits 2i into the
+# mantissa of a "magic" float M (bf16 128, fp16 1024: spacing 1 there) gives M + w * code with w = 4^i, exactly.
+# bf16 has 7 mantissa bits, so its fourth field (bits 6-7) is shifted down first (w = 1).
+MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+FIELDS_IN_MANTISSA = {torch.bfloat16: 3, torch.float16: 4}
+
+
+def field_weights(dtype: torch.dtype) -> list[float]:
+    """w of each quarter's operands (M + w * code) for the unpacking of `dtype`."""
+    return [4.0 ** i if i < FIELDS_IN_MANTISSA[dtype] else 1.0 for i in range(4)]
+
+
 def _bits16(value: float, dtype: torch.dtype) -> int:
     """A 32-bit word holding `value` in both 16-bit halves."""
     half = torch.tensor([value], dtype=dtype).view(torch.int16).item() & 0xFFFF
@@ -71,20 +81,16 @@ def _bits16(value: float, dtype: torch.dtype) -> int:
 
 
 def unpack_asm(dtype: torch.dtype) -> str:
-    """PTX: one word of 4 bytes ($8) -> their quarter-i fields as 16-bit pairs $2i (bytes 0, 1), $2i+1 (bytes 2, 3)."""
-    magic, fma, in_mantissa = {torch.bfloat16: (128.0, "fma.rn.bf16x2", 3),
-                               torch.float16: (1024.0, "fma.rn.f16x2", 4)}[dtype]
-    lines = ["{ .reg .b32 t, u, v, s, o;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;"]
+    """PTX: one word of 4 bytes ($8) -> for each quarter i, the 16-bit pairs M + w_i * field_i of bytes (0, 1) in
+    $2i and of bytes (2, 3) in $2i+1."""
+    lines = ["{ .reg .b32 t, u;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;"]
     for i in range(4):
         shift = 2 * i                                 # where field i sits; fields past the mantissa move down
-        if i >= in_mantissa:
+        if i >= FIELDS_IN_MANTISSA[dtype]:
             lines += [f"shr.b32 t, t, {shift};", f"shr.b32 u, u, {shift};"]
             shift = 0
-        lines += [f"mov.b32 s, {_bits16(4.0 ** -(shift // 2), dtype):#x};",
-                  f"mov.b32 o, {_bits16(-magic * 4.0 ** -(shift // 2), dtype):#x};"]
         for k, word in enumerate("tu"):
-            lines += [f"lop3.b32 v, {word}, {0x00030003 << shift:#x}, {_bits16(magic, dtype):#x}, 0xea;",
-                      f"{fma} ${2 * i + k}, v, s, o;"]
+            lines.append(f"lop3.b32 ${2 * i + k}, {word}, {0x00030003 << shift:#x}, {_bits16(MAGIC[dtype], dtype):#x}, 0xea;")
     return " ".join(lines) + " }"
 
 
@@ -94,8 +100,10 @@ UNPACK_FP16 = tl.constexpr(unpack_asm(torch.float16))
 
 @triton.jit
 def _quarters(x, DOT: tl.constexpr, ASM: tl.constexpr):
-    """A uint8 tile -> its four 2-bit fields as DOT tiles (quarter i = bits 2i). ASM 1 / 2 (compiled, bf16 / fp16
-    operands): the bit trick above, 4 elements per 32-bit word; 0: shifts and conversions (any dtype, interpreter)."""
+    """A uint8 tile -> its four 2-bit fields as DOT tiles, quarter i = bits 2i. ASM 1 / 2 (compiled, bf16 / fp16
+    operands): M + w_i * field by the bit trick above, 4 bytes per 32-bit word; 3: the same values as ASM 1 by
+    ordinary arithmetic (so the CPU tests check the kernel's handling of M and w); 0 (any dtype, the
+    interpreter): the fields themselves (M = 0, w = 1) by shifts and conversions."""
     if ASM == 1:
         return tl.inline_asm_elementwise(asm=UNPACK_BF16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x],
                                          dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
@@ -105,29 +113,43 @@ def _quarters(x, DOT: tl.constexpr, ASM: tl.constexpr):
                                          dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
                                          pack=4)
     w = x.to(tl.int32)
+    if ASM == 3:
+        return ((w & 3) + 128).to(DOT), (((w >> 2) & 3) * 4 + 128).to(DOT), (((w >> 4) & 3) * 16 + 128).to(DOT), \
+            (((w >> 6) & 3) + 128).to(DOT)
     return (w & 3).to(DOT), ((w >> 2) & 3).to(DOT), ((w >> 4) & 3).to(DOT), ((w >> 6) & 3).to(DOT)
 
 
+@triton.jit
+def _row_sum(a, ones, acc, PREC: tl.constexpr):
+    """acc + a @ ones: every column holds the row sums of a, exactly as the matrix units see a (16-bit values)."""
+    return tl.dot(a, ones, acc, input_precision=PREC)
+
+
 KC = tl.constexpr(32)        # channels per key chunk: keeps one chunk's four unpacked quarters in registers
+SUMS = tl.constexpr(16)      # columns of the row-sum tiles (the smallest matrix product Triton makes)
 
 
 @triton.jit
-def _key_page_scores(q_rows, rmask, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, page,
+def _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, page,
                      D: tl.constexpr, G4: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """Scores (before softmax scaling) of the 4 token quarters of key page `page` (= page id * H + head), read
-    KC channels at a time. q_rows: (BLOCK_M,) pointers to the query rows, rmask: the real ones."""
+                     ASM: tl.constexpr, MAGIC: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Scores in log2 units (qk_scale = sm_scale * log2 e applied) of the 4 token quarters of key page `page`
+    (= page id * H + head), read KC channels at a time. q_rows: (BLOCK_M,) pointers to the query rows, rmask:
+    the real ones."""
     j = tl.arange(0, BLOCK_G4)
     jmask = (j < G4)[None, :]
     s0 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
     s1 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
     s2 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
     s3 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
+    sums = tl.zeros((BLOCK_M, SUMS), tl.float32)
     zq = tl.zeros((BLOCK_M,), tl.float32)
     for chunk in tl.static_range(0, D, KC):
         d = chunk + tl.arange(0, KC)
         dmask = d < D
         q = tl.load(q_rows[:, None] + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        q = q * qk_scale
         scale = tl.load(kscale_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
         zq += tl.sum(q * zero[None, :], axis=1)
@@ -139,6 +161,8 @@ def _key_page_scores(q_rows, rmask, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kz
         s1 = tl.dot(a, k1, s1, input_precision=PREC)
         s2 = tl.dot(a, k2, s2, input_precision=PREC)
         s3 = tl.dot(a, k3, s3, input_precision=PREC)
+        if MAGIC != 0.0:
+            sums = _row_sum(a, tl.full((KC, SUMS), 1.0, DOT), sums, PREC)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         r = tl.arange(0, BLOCK_NB)
@@ -146,22 +170,26 @@ def _key_page_scores(q_rows, rmask, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kz
         ch = tl.load(kch_ptr + page * NB + r, mask=nbmask, other=0).to(tl.int32)
         ch_scale = tl.load(kscale_ptr + page * D + ch, mask=nbmask, other=0.0).to(tl.float32)
         q_ch = tl.load(q_rows[:, None] + ch[None, :], mask=rmask[:, None] & nbmask[None, :], other=0.0)
-        a_hi = (q_ch.to(tl.float32) * (4.0 * ch_scale)[None, :]).to(DOT)
+        a = (q_ch.to(tl.float32) * qk_scale * (4.0 * ch_scale)[None, :]).to(DOT)
         tile = tl.load(khigh_ptr + page * (G4 * NB) + j[None, :] * NB + r[:, None], mask=nbmask[:, None] & jmask,
                        other=0)
         h0, h1, h2, h3 = _quarters(tile, DOT, ASM)
-        s0 = tl.dot(a_hi, h0, s0, input_precision=PREC)
-        s1 = tl.dot(a_hi, h1, s1, input_precision=PREC)
-        s2 = tl.dot(a_hi, h2, s2, input_precision=PREC)
-        s3 = tl.dot(a_hi, h3, s3, input_precision=PREC)
-    zq = zq[:, None]
-    return s0 + zq, s1 + zq, s2 + zq, s3 + zq
+        s0 = tl.dot(a, h0, s0, input_precision=PREC)
+        s1 = tl.dot(a, h1, s1, input_precision=PREC)
+        s2 = tl.dot(a, h2, s2, input_precision=PREC)
+        s3 = tl.dot(a, h3, s3, input_precision=PREC)
+        if MAGIC != 0.0:
+            sums = _row_sum(a, tl.full((BLOCK_NB, SUMS), 1.0, DOT), sums, PREC)
+    # s_i = sum a * (M + w_i * code): the scores are (s_i - M * sum a) / w_i, plus the zero-point term
+    offset = MAGIC * tl.max(sums, axis=1)
+    return (s0 - offset[:, None] + zq[:, None], (s1 - offset[:, None]) * (1.0 / W1) + zq[:, None],
+            (s2 - offset[:, None]) * (1.0 / W2) + zq[:, None], (s3 - offset[:, None]) * (1.0 / W3) + zq[:, None])
 
 
 @triton.jit
-def _fp_key_scores(q_rows, rmask, kfp_ptr, row0, n_valid, D: tl.constexpr, G4: tl.constexpr, DOT: tl.constexpr,
-                   PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr):
-    """Scores of the 4 token quarters of up to 4*G4 full-precision keys starting at row `row0` of k_fp."""
+def _fp_key_scores(q_rows, rmask, qk_scale, kfp_ptr, row0, n_valid, D: tl.constexpr, G4: tl.constexpr,
+                   DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr):
+    """Scores in log2 units of the 4 token quarters of up to 4*G4 full-precision keys from row `row0` of k_fp."""
     j = tl.arange(0, BLOCK_G4)
     s0 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
     s1 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
@@ -170,7 +198,8 @@ def _fp_key_scores(q_rows, rmask, kfp_ptr, row0, n_valid, D: tl.constexpr, G4: t
     for chunk in tl.static_range(0, D, KC):
         d = chunk + tl.arange(0, KC)
         dmask = d < D
-        q = tl.load(q_rows[:, None] + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0).to(DOT)
+        q = tl.load(q_rows[:, None] + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+        q = (q.to(tl.float32) * qk_scale).to(DOT)
         ptrs = kfp_ptr + (row0 + j[None, :]).to(tl.int64) * D + d[:, None]
         mask = dmask[:, None] & (j < G4)[None, :]
         s0 = tl.dot(q, tl.load(ptrs, mask=mask & (j < n_valid)[None, :], other=0.0).to(DOT), s0,
@@ -185,14 +214,17 @@ def _fp_key_scores(q_rows, rmask, kfp_ptr, row0, n_valid, D: tl.constexpr, G4: t
 
 
 @triton.jit
-def _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, qk_scale, G4: tl.constexpr, BLOCK_G4: tl.constexpr):
-    """Scale and mask the 4 quarters' scores (tokens >= n_valid are out), update the running max and sum.
-    Returns the probabilities, the factor the running output must be multiplied by, and the new max / sum."""
-    j = tl.arange(0, BLOCK_G4)
-    s0 = tl.where((j < n_valid)[None, :] & (j < G4)[None, :], s0 * qk_scale, float("-inf"))
-    s1 = tl.where((G4 + j < n_valid)[None, :] & (j < G4)[None, :], s1 * qk_scale, float("-inf"))
-    s2 = tl.where((2 * G4 + j < n_valid)[None, :] & (j < G4)[None, :], s2 * qk_scale, float("-inf"))
-    s3 = tl.where((3 * G4 + j < n_valid)[None, :] & (j < G4)[None, :], s3 * qk_scale, float("-inf"))
+def _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4: tl.constexpr, BLOCK_G4: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """Mask the 4 quarters' scores (log2 units; with MASKED, tokens >= n_valid are out), update the running max
+    and sum. Returns the probabilities, the factor the running output must be multiplied by, the new max / sum."""
+    if MASKED:
+        j = tl.arange(0, BLOCK_G4)
+        jmask = (j < G4)[None, :]
+        s0 = tl.where(jmask & (j < n_valid)[None, :], s0, float("-inf"))
+        s1 = tl.where(jmask & (G4 + j < n_valid)[None, :], s1, float("-inf"))
+        s2 = tl.where(jmask & (2 * G4 + j < n_valid)[None, :], s2, float("-inf"))
+        s3 = tl.where(jmask & (3 * G4 + j < n_valid)[None, :], s3, float("-inf"))
     m_new = tl.maximum(tl.maximum(tl.maximum(m_i, tl.max(s0, axis=1)), tl.max(s1, axis=1)),
                        tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
     alpha = tl.math.exp2(m_i - m_new)
@@ -205,12 +237,13 @@ def _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, qk_scale, G4: tl.constexp
 
 
 @triton.jit
-def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, page,
+def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, page,
                    quarter: tl.constexpr, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr,
-                   DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
+                   DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, MAGIC: tl.constexpr,
                    BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
-    """Accumulate token quarter `quarter` of value page `page`: the 4 channel quarters into acc0..acc3 and the
-    zero-point term sum_t p_t * zero_t into zacc."""
+    """Accumulate token quarter `quarter` of value page `page`: channel quarter c into acc_c as
+    sum p * scale * (M + w_c * code), the zero-point term sum p * zero into zacc, and sum p * scale (as the
+    matrix units see it) into sums, for the final (acc_c - M * sums) / w_c + zacc."""
     G4: tl.constexpr = G // 4
     j = tl.arange(0, BLOCK_G4)
     c = tl.arange(0, BLOCK_D4)
@@ -227,52 +260,88 @@ def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_
     acc1 = tl.dot(a, v1, acc1, input_precision=PREC)
     acc2 = tl.dot(a, v2, acc2, input_precision=PREC)
     acc3 = tl.dot(a, v3, acc3, input_precision=PREC)
+    if MAGIC != 0.0:
+        sums = _row_sum(a, tl.full((BLOCK_G4, SUMS), 1.0, DOT), sums, PREC)
     if V_BITS == 4:
-        a4 = a * 4.0                                                           # exact: the high bits weigh 4
+        a = (a.to(tl.float32) * 4.0).to(DOT)                                   # exact: the high bits weigh 4
         v0, v1, v2, v3 = _quarters(tl.load(vhigh_ptr + offs, mask=mask, other=0), DOT, ASM)
-        acc0 = tl.dot(a4.to(DOT), v0, acc0, input_precision=PREC)
-        acc1 = tl.dot(a4.to(DOT), v1, acc1, input_precision=PREC)
-        acc2 = tl.dot(a4.to(DOT), v2, acc2, input_precision=PREC)
-        acc3 = tl.dot(a4.to(DOT), v3, acc3, input_precision=PREC)
-    return acc0, acc1, acc2, acc3, zacc
+        acc0 = tl.dot(a, v0, acc0, input_precision=PREC)
+        acc1 = tl.dot(a, v1, acc1, input_precision=PREC)
+        acc2 = tl.dot(a, v2, acc2, input_precision=PREC)
+        acc3 = tl.dot(a, v3, acc3, input_precision=PREC)
+        if MAGIC != 0.0:
+            sums = _row_sum(a, tl.full((BLOCK_G4, SUMS), 1.0, DOT), sums, PREC)
+    return acc0, acc1, acc2, acc3, zacc, sums
 
 
 @triton.jit
 def _fp_value_quarter(p, acc0, acc1, acc2, acc3, vfp_ptr, row0, n_valid, quarter: tl.constexpr, D: tl.constexpr,
-                      G4: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                      BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
-    """Accumulate token quarter `quarter` of up to 4*G4 full-precision values starting at row `row0` of v_fp."""
+                      G4: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, W1: tl.constexpr,
+                      W2: tl.constexpr, W3: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
+    """Accumulate token quarter `quarter` of up to 4*G4 full-precision values from row `row0` of v_fp, in the
+    units of the paged accumulators (channel quarter c weighted by w_c: exact powers of two)."""
     D4: tl.constexpr = D // 4
     j = tl.arange(0, BLOCK_G4)
     c = tl.arange(0, BLOCK_D4)
     tok = quarter * G4 + j
     ptrs = vfp_ptr + (row0 + tok[:, None]).to(tl.int64) * D + c[None, :]
     mask = ((tok < n_valid) & (j < G4))[:, None] & (c < D4)[None, :]
-    pd = p.to(DOT)
-    acc0 = tl.dot(pd, tl.load(ptrs, mask=mask, other=0.0).to(DOT), acc0, input_precision=PREC)
-    acc1 = tl.dot(pd, tl.load(ptrs + D4, mask=mask, other=0.0).to(DOT), acc1, input_precision=PREC)
-    acc2 = tl.dot(pd, tl.load(ptrs + 2 * D4, mask=mask, other=0.0).to(DOT), acc2, input_precision=PREC)
-    acc3 = tl.dot(pd, tl.load(ptrs + 3 * D4, mask=mask, other=0.0).to(DOT), acc3, input_precision=PREC)
+    acc0 = tl.dot(p.to(DOT), tl.load(ptrs, mask=mask, other=0.0).to(DOT), acc0, input_precision=PREC)
+    acc1 = tl.dot((p * W1).to(DOT), tl.load(ptrs + D4, mask=mask, other=0.0).to(DOT), acc1, input_precision=PREC)
+    acc2 = tl.dot((p * W2).to(DOT), tl.load(ptrs + 2 * D4, mask=mask, other=0.0).to(DOT), acc2,
+                  input_precision=PREC)
+    acc3 = tl.dot((p * W3).to(DOT), tl.load(ptrs + 3 * D4, mask=mask, other=0.0).to(DOT), acc3,
+                  input_precision=PREC)
     return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _paged_block(q_rows, rmask, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, zacc, sums, kpage, vpage,
+                 klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
+                 D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr,
+                 PREC: tl.constexpr, ASM: tl.constexpr, MAGIC: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+                 W3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
+                 BLOCK_NB: tl.constexpr):
+    """One block whose keys and values are both pages: scores, online softmax, values."""
+    G4: tl.constexpr = G // 4
+    s0, s1, s2, s3 = _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+                                      kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, MAGIC, W1, W2, W3, BLOCK_M,
+                                      BLOCK_G4, BLOCK_NB)
+    p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4, BLOCK_G4 != G4)
+    acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
+    zacc, sums = zacc * alpha, sums * alpha[:, None]
+    acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr,
+                                                        vscale_ptr, vzero_ptr, vpage, 0, G, D // 4, V_BITS, DOT,
+                                                        PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
+    acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr,
+                                                        vscale_ptr, vzero_ptr, vpage, 1, G, D // 4, V_BITS, DOT,
+                                                        PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
+    acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr,
+                                                        vscale_ptr, vzero_ptr, vpage, 2, G, D // 4, V_BITS, DOT,
+                                                        PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
+    acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr,
+                                                        vscale_ptr, vzero_ptr, vpage, 3, G, D // 4, V_BITS, DOT,
+                                                        PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
+    return m_i, l_i, acc0, acc1, acc2, acc3, zacc, sums
 
 
 # Sizes that grow during generation are not specialized on (Triton would compile a new variant whenever one
 # becomes a multiple of 16, stalling a decode step for a second or more).
-@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT"])
+@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT", "NPART"])
 def _decode_split_kernel(
         q_ptr, kfp_ptr, vfp_ptr,
         klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
         ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr,
         po_ptr, pm_ptr, pl_ptr,
-        qk_scale, CK, CV, KMP, VMP, NSPLIT,
+        qk_scale, CK, CV, KMP, VMP, NSPLIT, NPART,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-        ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr,
-        BLOCK_D4: tl.constexpr, BLOCK_NB: tl.constexpr):
+        NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
+        MAGIC: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr, BLOCK_NB: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    split = tl.program_id(2)                            # 0..NSPLIT-1: shares of the paged blocks; NSPLIT: the rest
+    part = tl.program_id(2)         # < NSPLIT: a share of the paged blocks; else remaining block part - NSPLIT
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
 
@@ -281,24 +350,24 @@ def _decode_split_kernel(
     nvp = tl.load(nvp_ptr + b)
     n_paged = tl.minimum(nkp, nvp)                      # blocks with a key page and a value page
     per_split = tl.cdiv(n_paged, NSPLIT)
-    start = tl.where(split < NSPLIT, split * per_split, 0)
-    end = tl.where(split < NSPLIT, tl.minimum(start + per_split, n_paged), 0)
-    # the rest: the sink's blocks, then the G-token slots after the paged ones (a key page with full-precision
-    # values, the buffers); only the last program has them
+    start = tl.where(part < NSPLIT, part * per_split, 0)
+    end = tl.where(part < NSPLIT, tl.minimum(start + per_split, n_paged), 0)
+    # the remaining blocks: the sink's, then the G-token slots after the paged ones (a key page with full-precision
+    # values, the buffers); program NSPLIT + r takes the r-th
     sink_len = tl.minimum(length, S)
     n_sink_blocks = tl.cdiv(sink_len, G)
-    n_rest = tl.where(split == NSPLIT, n_sink_blocks + tl.cdiv(length - sink_len, G) - n_paged, 0)
+    n_rest = n_sink_blocks + tl.cdiv(length - sink_len, G) - n_paged
+    rest = tl.where(part >= NSPLIT, part - NSPLIT, n_rest)
 
     rows = tl.arange(0, BLOCK_M)
     rmask = rows < GROUP
     q_rows = q_ptr + (b * H * GROUP + h * GROUP + rows).to(tl.int64) * D
     kv_head = (b * H + h).to(tl.int64)
-    kfp = kfp_ptr + kv_head * CK * D
-    vfp = vfp_ptr + kv_head * CV * D
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     zacc = tl.zeros((BLOCK_M,), tl.float32)
+    sums = tl.zeros((BLOCK_M, SUMS), tl.float32)
     acc0 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
@@ -307,86 +376,86 @@ def _decode_split_kernel(
     for slot in range(start, end):                      # both pages quantized: no branch in the loop body
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-        s0, s1, s2, s3 = _key_page_scores(q_rows, rmask, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, kpage,
-                                          D, G4, NB, DOT, PREC, ASM, BLOCK_M, BLOCK_G4, BLOCK_NB)
-        p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, qk_scale, G4, BLOCK_G4)
-        acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
-        zacc = zacc * alpha
-        acc0, acc1, acc2, acc3, zacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
-                                                      vzero_ptr, vpage, 0, G, D4, V_BITS, DOT, PREC, ASM, BLOCK_G4, BLOCK_D4)
-        acc0, acc1, acc2, acc3, zacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
-                                                      vzero_ptr, vpage, 1, G, D4, V_BITS, DOT, PREC, ASM, BLOCK_G4, BLOCK_D4)
-        acc0, acc1, acc2, acc3, zacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
-                                                      vzero_ptr, vpage, 2, G, D4, V_BITS, DOT, PREC, ASM, BLOCK_G4, BLOCK_D4)
-        acc0, acc1, acc2, acc3, zacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
-                                                      vzero_ptr, vpage, 3, G, D4, V_BITS, DOT, PREC, ASM, BLOCK_G4, BLOCK_D4)
+        m_i, l_i, acc0, acc1, acc2, acc3, zacc, sums = _paged_block(
+            q_rows, rmask, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, zacc, sums, kpage, vpage, klow_ptr,
+            khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, NB, V_BITS,
+            DOT, PREC, ASM, MAGIC, W1, W2, W3, BLOCK_M, BLOCK_G4, BLOCK_D4, BLOCK_NB)
 
-    for blk in range(0, n_rest):                        # sink blocks, then the slots after the paged ones
+    for blk in range(rest, tl.minimum(rest + 1, n_rest)):   # at most one remaining block per program
         in_sink = blk < n_sink_blocks
         slot = blk - n_sink_blocks + n_paged
         n_valid = tl.where(in_sink, sink_len - blk * G, tl.minimum(G, length - S - slot * G))
         if (blk >= n_sink_blocks) & (slot < nkp):
             kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
-            s0, s1, s2, s3 = _key_page_scores(q_rows, rmask, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
-                                              kpage, D, G4, NB, DOT, PREC, ASM, BLOCK_M, BLOCK_G4, BLOCK_NB)
+            s0, s1, s2, s3 = _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+                                              kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, MAGIC, W1, W2, W3,
+                                              BLOCK_M, BLOCK_G4, BLOCK_NB)
         else:
             row0 = tl.where(in_sink, blk * G, S + (slot - nkp) * G)
-            s0, s1, s2, s3 = _fp_key_scores(q_rows, rmask, kfp, row0, n_valid, D, G4, DOT, PREC, BLOCK_M, BLOCK_G4)
-        p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, qk_scale, G4, BLOCK_G4)
-        acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
-        zacc = zacc * alpha
+            s0, s1, s2, s3 = _fp_key_scores(q_rows, rmask, qk_scale, kfp_ptr + kv_head * CK * D, row0, n_valid, D,
+                                            G4, DOT, PREC, BLOCK_M, BLOCK_G4)
+        p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4, BLOCK_G4, True)
         if (blk >= n_sink_blocks) & (slot < nvp):
             vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-            acc0, acc1, acc2, acc3, zacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 0, G, D4, V_BITS, DOT, PREC,
-                                                          ASM, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3, zacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 1, G, D4, V_BITS, DOT, PREC,
-                                                          ASM, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3, zacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 2, G, D4, V_BITS, DOT, PREC,
-                                                          ASM, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3, zacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 3, G, D4, V_BITS, DOT, PREC,
-                                                          ASM, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr,
+                                                                vhigh_ptr, vscale_ptr, vzero_ptr, vpage, 0, G, D4,
+                                                                V_BITS, DOT, PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr,
+                                                                vhigh_ptr, vscale_ptr, vzero_ptr, vpage, 1, G, D4,
+                                                                V_BITS, DOT, PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr,
+                                                                vhigh_ptr, vscale_ptr, vzero_ptr, vpage, 2, G, D4,
+                                                                V_BITS, DOT, PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr,
+                                                                vhigh_ptr, vscale_ptr, vzero_ptr, vpage, 3, G, D4,
+                                                                V_BITS, DOT, PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
         else:
             row0 = tl.where(in_sink, blk * G, S + (slot - nvp) * G)
+            vfp = vfp_ptr + kv_head * CV * D
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p0, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 0, D, G4, DOT,
-                                                       PREC, BLOCK_G4, BLOCK_D4)
+                                                       PREC, W1, W2, W3, BLOCK_G4, BLOCK_D4)
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p1, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 1, D, G4, DOT,
-                                                       PREC, BLOCK_G4, BLOCK_D4)
+                                                       PREC, W1, W2, W3, BLOCK_G4, BLOCK_D4)
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p2, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 2, D, G4, DOT,
-                                                       PREC, BLOCK_G4, BLOCK_D4)
+                                                       PREC, W1, W2, W3, BLOCK_G4, BLOCK_D4)
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p3, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 3, D, G4, DOT,
-                                                       PREC, BLOCK_G4, BLOCK_D4)
+                                                       PREC, W1, W2, W3, BLOCK_G4, BLOCK_D4)
 
-    part = (b * H * GROUP + h * GROUP + rows).to(tl.int64) * (NSPLIT + 1) + split
-    tl.store(pm_ptr + part, m_i, mask=rmask)
-    tl.store(pl_ptr + part, l_i, mask=rmask)
+    # acc_c = sum p * scale * (M + w_c * code) (+ w_c * full-precision values): out_c = (acc_c - M * sums) / w_c + zacc
+    idx = (b * H * GROUP + h * GROUP + rows).to(tl.int64) * NPART + part
+    tl.store(pm_ptr + idx, m_i, mask=rmask)
+    tl.store(pl_ptr + idx, l_i, mask=rmask)
+    offset = (MAGIC * tl.max(sums, axis=1))[:, None]
     c = tl.arange(0, BLOCK_D4)
-    out = po_ptr + part[:, None] * D + c[None, :]
+    out = po_ptr + idx[:, None] * D + c[None, :]
     omask = rmask[:, None] & (c < D4)[None, :]
-    tl.store(out, acc0 + zacc[:, None], mask=omask)
-    tl.store(out + D4, acc1 + zacc[:, None], mask=omask)
-    tl.store(out + 2 * D4, acc2 + zacc[:, None], mask=omask)
-    tl.store(out + 3 * D4, acc3 + zacc[:, None], mask=omask)
+    tl.store(out, acc0 - offset + zacc[:, None], mask=omask)
+    tl.store(out + D4, (acc1 - offset) * (1.0 / W1) + zacc[:, None], mask=omask)
+    tl.store(out + 2 * D4, (acc2 - offset) * (1.0 / W2) + zacc[:, None], mask=omask)
+    tl.store(out + 3 * D4, (acc3 - offset) * (1.0 / W3) + zacc[:, None], mask=omask)
 
 
-@triton.jit
-def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, D: tl.constexpr, NPART: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+@triton.jit(do_not_specialize=["NPART"])
+def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                 # one (sequence, query head)
-    sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    smask = sp < NPART
-    m = tl.load(pm_ptr + row * NPART + sp, mask=smask, other=float("-inf"))
-    l = tl.load(pl_ptr + row * NPART + sp, mask=smask, other=0.0)
-    o = tl.load(po_ptr + (row * NPART + sp[:, None]) * D + d[None, :], mask=smask[:, None] & (d < D)[None, :],
-                other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    m_max = float("-inf")
+    for first in range(0, NPART, BLOCK_S):
+        sp = first + tl.arange(0, BLOCK_S)
+        m_max = tl.maximum(m_max, tl.max(tl.load(pm_ptr + row * NPART + sp, mask=sp < NPART, other=float("-inf")), 0))
+    num = tl.zeros((BLOCK_D,), tl.float32)
+    den = 0.0
+    for first in range(0, NPART, BLOCK_S):
+        sp = first + tl.arange(0, BLOCK_S)
+        smask = sp < NPART
+        m = tl.load(pm_ptr + row * NPART + sp, mask=smask, other=float("-inf"))
+        w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)      # empty parts (m = -inf) weigh 0
+        den += tl.sum(tl.load(pl_ptr + row * NPART + sp, mask=smask, other=0.0) * w, 0)
+        o = tl.load(po_ptr + (row * NPART + sp[:, None]) * D + d[None, :], mask=smask[:, None] & (d < D)[None, :],
+                    other=0.0)
+        num += tl.sum(o * w[:, None], 0)
+    tl.store(out_ptr + row * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def interpreted() -> bool:
@@ -403,7 +472,7 @@ def dot_dtype(dtype: torch.dtype):
     return tl.float32
 
 
-PROGRAMS_PER_SM = 8         # programs of one warp each; tuned on the H200 (BENCHMARKS.md)
+PROGRAMS_PER_SM = 16        # programs of one warp each over the paged blocks; tuned on the H200 (BENCHMARKS.md)
 MIN_PAGES_PER_SPLIT = 4     # below this, a program's set-up outweighs its share of pages
 
 
@@ -412,6 +481,13 @@ def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 13
     PROGRAMS_PER_SM of them, but no fewer than MIN_PAGES_PER_SPLIT pages each."""
     want = triton.cdiv(PROGRAMS_PER_SM * sm_count, batch * kv_heads)
     return max(1, min(want, triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
+
+
+def remaining_blocks(kv: PagedKV) -> int:
+    """An upper bound (from sizes the host knows) on the blocks of a sequence that are not paged on both sides:
+    the sink's, and the full-precision buffers' (key Q-buffer; value Q-buffer and window; all of a 16-bit side)."""
+    g, s = kv.page_size, kv.sink
+    return triton.cdiv(s, g) + triton.cdiv(max(kv.k_fp.shape[2], kv.v_fp.shape[2]) - s, g) + 1
 
 
 class DecodeWorkspace:
@@ -433,21 +509,26 @@ class DecodeWorkspace:
         return self.buffers
 
 
-def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts) -> tuple[tuple, dict]:
+def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int,
+                           emulate_unpack: bool = False) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
-    (output, max, sum) partials, whose part count is the number of splits + 1. Also used to compile the kernel
-    for a profile."""
+    (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each.
+    emulate_unpack: operands M + w * code as the GPU's bit trick makes them, by ordinary arithmetic (tests).
+    Also used to compile the kernel for a profile."""
     part_o, part_m, part_l = parts
     bsz, hq, d = q.shape
     h, g = kv.k_fp.shape[1], kv.page_size
     args = (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero,
             kv.v_low, kv.v_high, kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages,
             kv.n_vpages, part_o, part_m, part_l, sm_scale * math.log2(math.e), kv.k_fp.shape[2], kv.v_fp.shape[2],
-            kv.k_table.shape[1], kv.v_table.shape[1], part_m.shape[2] - 1)
+            kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     dot = dot_dtype(q.dtype)
-    constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits,
-                     DOT=dot, PREC="ieee" if dot == tl.float32 else "tf32",
-                     ASM=0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0),
+    asm = 3 if emulate_unpack else 0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0)
+    half = {1: torch.bfloat16, 2: torch.float16, 3: torch.bfloat16}.get(asm)
+    weights = field_weights(half) if half else [1.0] * 4
+    constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
+                     PREC="ieee" if dot == tl.float32 else "tf32", ASM=asm, MAGIC=MAGIC[half] if half else 0.0,
+                     W1=weights[1], W2=weights[2], W3=weights[3],
                      BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
                      BLOCK_G4=max(16, triton.next_power_of_2(g // 4)), BLOCK_D4=max(16, triton.next_power_of_2(d // 4)),
                      BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)))
@@ -455,22 +536,24 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts) -> tuple[tupl
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
-                     workspace: DecodeWorkspace | None = None, num_warps: int = 1,
-                     num_stages: int = 3) -> torch.Tensor:
+                     workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
+                     maxnreg: int | None = None, emulate_unpack: bool = False) -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
-    num_warps / num_stages: warps per program and software-pipelining depth (defaults tuned on the H200).
-    With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
+    num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap (defaults
+    tuned on the H200). With a workspace, its buffers are reused (see DecodeWorkspace); without, they are
+    allocated per call. emulate_unpack: see split_kernel_arguments."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     if num_splits is None:
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = default_splits(bsz, h, max(1, kv.k_table.shape[1]), sm_count)
+    num_parts = num_splits + remaining_blocks(kv)
     q = q.contiguous()
-    part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_splits + 1)
-    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l))
-    _decode_split_kernel[(bsz, h, num_splits + 1)](*args, **constants, num_warps=num_warps, num_stages=num_stages)
-    _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, D=d, NPART=num_splits + 1,
-                                      BLOCK_D=triton.next_power_of_2(d),
-                                      BLOCK_S=triton.next_power_of_2(num_splits + 1), num_warps=1)
+    part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
+    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, emulate_unpack)
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options)
+    _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, num_parts, D=d,
+                                      BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16, num_warps=1)
     return out
