@@ -27,7 +27,7 @@ def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None
     py = sys.executable
     xdist = ["-n", "8"] if _has_module("xdist") else []
     return {
-        "tests": [([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist, "tests/test_kernels.py",
+        "tests": [([py, "-m", "pytest", "-q", "-rf", "--tb=short", "-p", "no:cacheprovider", *xdist, "tests/test_kernels.py",
                     "tests/test_cache.py"], None)],
         "attention": [([py, "-m", "backend.bench", "attention", "--out", str(out / "attention.json")], None)],
         "tune": [([py, "-m", "backend.bench", "tune", "--out", str(out / "tune.json")], None)],

@@ -472,15 +472,21 @@ def dot_dtype(dtype: torch.dtype):
     return tl.float32
 
 
-PROGRAMS_PER_SM = 16        # programs of one warp each over the paged blocks; tuned on the H200 (BENCHMARKS.md)
-MIN_PAGES_PER_SPLIT = 4     # below this, a program's set-up outweighs its share of pages
+RESIDENT_PER_SM = 8         # one-warp programs of this kernel resident on an H100 / H200 multiprocessor (255 registers)
+MIN_PAGES_PER_SPLIT = 4     # below this, a program's set-up outweighs its share of pages (unless all fit one wave)
 
 
 def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 132) -> int:
-    """Programs over the paged blocks per (sequence, KV head): enough to give every multiprocessor
-    PROGRAMS_PER_SM of them, but no fewer than MIN_PAGES_PER_SPLIT pages each."""
-    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, batch * kv_heads)
-    return max(1, min(want, triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
+    """Programs over the paged blocks per (sequence, KV head), in whole waves of resident programs (a wave that
+    is a few programs over costs a whole second wave): one page each when that fits one wave, else two waves
+    for small batches and one for large ones, with at least MIN_PAGES_PER_SPLIT pages each. Fitted to the H200
+    sweep in BENCHMARKS.md (`python -m backend.bench tune`)."""
+    wave = RESIDENT_PER_SM * sm_count
+    pairs = batch * kv_heads
+    if pairs * max_pages <= wave:
+        return max(1, max_pages)
+    waves = 2 if pairs <= 64 else 1
+    return max(1, min(waves * wave // pairs, triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
 
 
 def remaining_blocks(kv: PagedKV) -> int:
