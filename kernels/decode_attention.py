@@ -13,9 +13,7 @@ so the integer codes themselves are the matrix operands. The page layout (layout
 contracted dimension contiguous and puts a byte's four 2-bit fields in four quarters of the other dimension:
 a 32-bit word of page data holds 4 contracted elements of each of 4 quarters, already in the order the matrix
 units read them, and becomes 16 operand values with bit operations (`_quarters`): no shifting of tiles between
-threads. Keys give scores by token quarter, values accumulate by channel quarter. The operands are the codes
-plus a constant (M + w * code, see unpack_asm); the constant's share, M * sum(A), comes out of the same matrix
-units (A times a tile of ones) and is subtracted, w divided out, once per tile.
+threads. Keys give scores by token quarter, values accumulate by channel quarter.
 """
 from __future__ import annotations
 
@@ -60,18 +58,15 @@ def decode_attention_ref(q: torch.Tensor, kv: PagedKV, sm_scale: float) -> torch
 
 
 # ---------------------------------------------------------------------------------------------- Triton
-# 2-bit fields -> 16-bit operands with two bit operations (the lop3 trick of Marlin / BitDecoding). A 32-bit word
-# holds four bytes b0..b3 (4 consecutive elements of the contracted dimension); prmt reorders them (b0, b2, b1, b3)
-# so that the low byte of each 16-bit half is b0 / b1, or b2 / b3 after >> 8. OR-ing the field at bits 2i into the
-# mantissa of a "magic" float M (bf16 128, fp16 1024: spacing 1 there) gives M + w * code with w = 4^i, exactly.
-# bf16 has 7 mantissa bits, so its fourth field (bits 6-7) is shifted down first (w = 1).
+# 2-bit fields -> 16-bit operands with bit operations (the lop3 trick of Marlin / BitDecoding). A 32-bit word holds
+# four bytes b0..b3 (4 consecutive elements of the contracted dimension); prmt reorders them (b0, b2, b1, b3) so
+# that the low byte of each 16-bit half is b0 / b1, or b2 / b3 after >> 8. OR-ing the field at bits 2i into the
+# mantissa of a "magic" float M (bf16 128, fp16 1024: spacing 1 there) gives M + w * code with w = 4^i; one fused
+# multiply-add per pair, (M + w * code) / w - M / w, returns the code exactly. bf16 has 7 mantissa bits, so its
+# fourth field (bits 6-7) is shifted down first (w = 1). Measured against leaving M and w in the operands and
+# taking them out after the products: no faster on the H200, and less accurate for fp16 (BENCHMARKS.md).
 MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 FIELDS_IN_MANTISSA = {torch.bfloat16: 3, torch.float16: 4}
-
-
-def field_weights(dtype: torch.dtype) -> list[float]:
-    """w of each quarter's operands (M + w * code) for the unpacking of `dtype`."""
-    return [4.0 ** i if i < FIELDS_IN_MANTISSA[dtype] else 1.0 for i in range(4)]
 
 
 def _bits16(value: float, dtype: torch.dtype) -> int:
@@ -81,16 +76,21 @@ def _bits16(value: float, dtype: torch.dtype) -> int:
 
 
 def unpack_asm(dtype: torch.dtype) -> str:
-    """PTX: one word of 4 bytes ($8) -> for each quarter i, the 16-bit pairs M + w_i * field_i of bytes (0, 1) in
-    $2i and of bytes (2, 3) in $2i+1."""
-    lines = ["{ .reg .b32 t, u;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;"]
+    """PTX: one word of 4 bytes ($8) -> for each quarter i, the 16-bit pairs of field i of bytes (0, 1) in $2i and
+    of bytes (2, 3) in $2i+1, as exact values 0..3 of `dtype`."""
+    magic = MAGIC[dtype]
+    fma = {torch.bfloat16: "fma.rn.bf16x2", torch.float16: "fma.rn.f16x2"}[dtype]
+    lines = ["{ .reg .b32 t, u, v, s, o;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;"]
     for i in range(4):
         shift = 2 * i                                 # where field i sits; fields past the mantissa move down
         if i >= FIELDS_IN_MANTISSA[dtype]:
             lines += [f"shr.b32 t, t, {shift};", f"shr.b32 u, u, {shift};"]
             shift = 0
+        weight = 4.0 ** (shift // 2)
+        lines += [f"mov.b32 s, {_bits16(1.0 / weight, dtype):#x};", f"mov.b32 o, {_bits16(-magic / weight, dtype):#x};"]
         for k, word in enumerate("tu"):
-            lines.append(f"lop3.b32 ${2 * i + k}, {word}, {0x00030003 << shift:#x}, {_bits16(MAGIC[dtype], dtype):#x}, 0xea;")
+            lines += [f"lop3.b32 v, {word}, {0x00030003 << shift:#x}, {_bits16(magic, dtype):#x}, 0xea;",
+                      f"{fma} ${2 * i + k}, v, s, o;"]
     return " ".join(lines) + " }"
 
 
@@ -101,9 +101,8 @@ UNPACK_FP16 = tl.constexpr(unpack_asm(torch.float16))
 @triton.jit
 def _quarters(x, DOT: tl.constexpr, ASM: tl.constexpr):
     """A uint8 tile -> its four 2-bit fields as DOT tiles, quarter i = bits 2i. ASM 1 / 2 (compiled, bf16 / fp16
-    operands): M + w_i * field by the bit trick above, 4 bytes per 32-bit word; 3: the same values as ASM 1 by
-    ordinary arithmetic (so the CPU tests check the kernel's handling of M and w); 0 (any dtype, the
-    interpreter): the fields themselves (M = 0, w = 1) by shifts and conversions."""
+    operands): the bit trick above, 4 bytes per 32-bit word; 0 (any dtype, the interpreter): shifts and
+    conversions."""
     if ASM == 1:
         return tl.inline_asm_elementwise(asm=UNPACK_BF16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x],
                                          dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
@@ -113,27 +112,16 @@ def _quarters(x, DOT: tl.constexpr, ASM: tl.constexpr):
                                          dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
                                          pack=4)
     w = x.to(tl.int32)
-    if ASM == 3:
-        return ((w & 3) + 128).to(DOT), (((w >> 2) & 3) * 4 + 128).to(DOT), (((w >> 4) & 3) * 16 + 128).to(DOT), \
-            (((w >> 6) & 3) + 128).to(DOT)
     return (w & 3).to(DOT), ((w >> 2) & 3).to(DOT), ((w >> 4) & 3).to(DOT), ((w >> 6) & 3).to(DOT)
 
 
-@triton.jit
-def _row_sum(a, ones, acc, PREC: tl.constexpr):
-    """acc + a @ ones: every column holds the row sums of a, exactly as the matrix units see a (16-bit values)."""
-    return tl.dot(a, ones, acc, input_precision=PREC)
-
-
 KC = tl.constexpr(32)        # channels per key chunk: keeps one chunk's four unpacked quarters in registers
-SUMS = tl.constexpr(16)      # columns of the row-sum tiles (the smallest matrix product Triton makes)
 
 
 @triton.jit
 def _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, page,
                      D: tl.constexpr, G4: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                     ASM: tl.constexpr, MAGIC: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
+                     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
     """Scores in log2 units (qk_scale = sm_scale * log2 e applied) of the 4 token quarters of key page `page`
     (= page id * H + head), read KC channels at a time. q_rows: (BLOCK_M,) pointers to the query rows, rmask:
     the real ones."""
@@ -143,7 +131,6 @@ def _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
     s1 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
     s2 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
     s3 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
-    sums = tl.zeros((BLOCK_M, SUMS), tl.float32)
     zq = tl.zeros((BLOCK_M,), tl.float32)
     for chunk in tl.static_range(0, D, KC):
         d = chunk + tl.arange(0, KC)
@@ -161,8 +148,6 @@ def _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
         s1 = tl.dot(a, k1, s1, input_precision=PREC)
         s2 = tl.dot(a, k2, s2, input_precision=PREC)
         s3 = tl.dot(a, k3, s3, input_precision=PREC)
-        if MAGIC != 0.0:
-            sums = _row_sum(a, tl.full((KC, SUMS), 1.0, DOT), sums, PREC)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         r = tl.arange(0, BLOCK_NB)
@@ -178,12 +163,8 @@ def _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
         s1 = tl.dot(a, h1, s1, input_precision=PREC)
         s2 = tl.dot(a, h2, s2, input_precision=PREC)
         s3 = tl.dot(a, h3, s3, input_precision=PREC)
-        if MAGIC != 0.0:
-            sums = _row_sum(a, tl.full((BLOCK_NB, SUMS), 1.0, DOT), sums, PREC)
-    # s_i = sum a * (M + w_i * code): the scores are (s_i - M * sum a) / w_i, plus the zero-point term
-    offset = MAGIC * tl.max(sums, axis=1)
-    return (s0 - offset[:, None] + zq[:, None], (s1 - offset[:, None]) * (1.0 / W1) + zq[:, None],
-            (s2 - offset[:, None]) * (1.0 / W2) + zq[:, None], (s3 - offset[:, None]) * (1.0 / W3) + zq[:, None])
+    zq = zq[:, None]
+    return s0 + zq, s1 + zq, s2 + zq, s3 + zq
 
 
 @triton.jit
@@ -237,13 +218,12 @@ def _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4: tl.constexpr, BLOCK_G
 
 
 @triton.jit
-def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, page,
+def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, page,
                    quarter: tl.constexpr, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr,
-                   DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, MAGIC: tl.constexpr,
+                   DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
                    BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
-    """Accumulate token quarter `quarter` of value page `page`: channel quarter c into acc_c as
-    sum p * scale * (M + w_c * code), the zero-point term sum p * zero into zacc, and sum p * scale (as the
-    matrix units see it) into sums, for the final (acc_c - M * sums) / w_c + zacc."""
+    """Accumulate token quarter `quarter` of value page `page`: the 4 channel quarters into acc0..acc3 and the
+    zero-point term sum_t p_t * zero_t into zacc."""
     G4: tl.constexpr = G // 4
     j = tl.arange(0, BLOCK_G4)
     c = tl.arange(0, BLOCK_D4)
@@ -260,8 +240,6 @@ def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr, v
     acc1 = tl.dot(a, v1, acc1, input_precision=PREC)
     acc2 = tl.dot(a, v2, acc2, input_precision=PREC)
     acc3 = tl.dot(a, v3, acc3, input_precision=PREC)
-    if MAGIC != 0.0:
-        sums = _row_sum(a, tl.full((BLOCK_G4, SUMS), 1.0, DOT), sums, PREC)
     if V_BITS == 4:
         a = (a.to(tl.float32) * 4.0).to(DOT)                                   # exact: the high bits weigh 4
         v0, v1, v2, v3 = _quarters(tl.load(vhigh_ptr + offs, mask=mask, other=0), DOT, ASM)
@@ -269,60 +247,54 @@ def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr, v
         acc1 = tl.dot(a, v1, acc1, input_precision=PREC)
         acc2 = tl.dot(a, v2, acc2, input_precision=PREC)
         acc3 = tl.dot(a, v3, acc3, input_precision=PREC)
-        if MAGIC != 0.0:
-            sums = _row_sum(a, tl.full((BLOCK_G4, SUMS), 1.0, DOT), sums, PREC)
-    return acc0, acc1, acc2, acc3, zacc, sums
+    return acc0, acc1, acc2, acc3, zacc
 
 
 @triton.jit
 def _fp_value_quarter(p, acc0, acc1, acc2, acc3, vfp_ptr, row0, n_valid, quarter: tl.constexpr, D: tl.constexpr,
-                      G4: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, W1: tl.constexpr,
-                      W2: tl.constexpr, W3: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
-    """Accumulate token quarter `quarter` of up to 4*G4 full-precision values from row `row0` of v_fp, in the
-    units of the paged accumulators (channel quarter c weighted by w_c: exact powers of two)."""
+                      G4: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_G4: tl.constexpr,
+                      BLOCK_D4: tl.constexpr):
+    """Accumulate token quarter `quarter` of up to 4*G4 full-precision values from row `row0` of v_fp."""
     D4: tl.constexpr = D // 4
     j = tl.arange(0, BLOCK_G4)
     c = tl.arange(0, BLOCK_D4)
     tok = quarter * G4 + j
     ptrs = vfp_ptr + (row0 + tok[:, None]).to(tl.int64) * D + c[None, :]
     mask = ((tok < n_valid) & (j < G4))[:, None] & (c < D4)[None, :]
-    acc0 = tl.dot(p.to(DOT), tl.load(ptrs, mask=mask, other=0.0).to(DOT), acc0, input_precision=PREC)
-    acc1 = tl.dot((p * W1).to(DOT), tl.load(ptrs + D4, mask=mask, other=0.0).to(DOT), acc1, input_precision=PREC)
-    acc2 = tl.dot((p * W2).to(DOT), tl.load(ptrs + 2 * D4, mask=mask, other=0.0).to(DOT), acc2,
-                  input_precision=PREC)
-    acc3 = tl.dot((p * W3).to(DOT), tl.load(ptrs + 3 * D4, mask=mask, other=0.0).to(DOT), acc3,
-                  input_precision=PREC)
+    pd = p.to(DOT)
+    acc0 = tl.dot(pd, tl.load(ptrs, mask=mask, other=0.0).to(DOT), acc0, input_precision=PREC)
+    acc1 = tl.dot(pd, tl.load(ptrs + D4, mask=mask, other=0.0).to(DOT), acc1, input_precision=PREC)
+    acc2 = tl.dot(pd, tl.load(ptrs + 2 * D4, mask=mask, other=0.0).to(DOT), acc2, input_precision=PREC)
+    acc3 = tl.dot(pd, tl.load(ptrs + 3 * D4, mask=mask, other=0.0).to(DOT), acc3, input_precision=PREC)
     return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _paged_block(q_rows, rmask, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, zacc, sums, kpage, vpage,
+def _paged_block(q_rows, rmask, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, zacc, kpage, vpage,
                  klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
                  D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr,
-                 PREC: tl.constexpr, ASM: tl.constexpr, MAGIC: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
-                 W3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
-                 BLOCK_NB: tl.constexpr):
+                 PREC: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr,
+                 BLOCK_D4: tl.constexpr, BLOCK_NB: tl.constexpr):
     """One block whose keys and values are both pages: scores, online softmax, values."""
     G4: tl.constexpr = G // 4
     s0, s1, s2, s3 = _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                      kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, MAGIC, W1, W2, W3, BLOCK_M,
-                                      BLOCK_G4, BLOCK_NB)
+                                      kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, BLOCK_M, BLOCK_G4, BLOCK_NB)
     p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4, BLOCK_G4 != G4)
     acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
-    zacc, sums = zacc * alpha, sums * alpha[:, None]
-    acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr,
-                                                        vscale_ptr, vzero_ptr, vpage, 0, G, D // 4, V_BITS, DOT,
-                                                        PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
-    acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr,
-                                                        vscale_ptr, vzero_ptr, vpage, 1, G, D // 4, V_BITS, DOT,
-                                                        PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
-    acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr,
-                                                        vscale_ptr, vzero_ptr, vpage, 2, G, D // 4, V_BITS, DOT,
-                                                        PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
-    acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr, vhigh_ptr,
-                                                        vscale_ptr, vzero_ptr, vpage, 3, G, D // 4, V_BITS, DOT,
-                                                        PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
-    return m_i, l_i, acc0, acc1, acc2, acc3, zacc, sums
+    zacc = zacc * alpha
+    acc0, acc1, acc2, acc3, zacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
+                                                  vzero_ptr, vpage, 0, G, D // 4, V_BITS, DOT, PREC, ASM,
+                                                  BLOCK_G4, BLOCK_D4)
+    acc0, acc1, acc2, acc3, zacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
+                                                  vzero_ptr, vpage, 1, G, D // 4, V_BITS, DOT, PREC, ASM,
+                                                  BLOCK_G4, BLOCK_D4)
+    acc0, acc1, acc2, acc3, zacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
+                                                  vzero_ptr, vpage, 2, G, D // 4, V_BITS, DOT, PREC, ASM,
+                                                  BLOCK_G4, BLOCK_D4)
+    acc0, acc1, acc2, acc3, zacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
+                                                  vzero_ptr, vpage, 3, G, D // 4, V_BITS, DOT, PREC, ASM,
+                                                  BLOCK_G4, BLOCK_D4)
+    return m_i, l_i, acc0, acc1, acc2, acc3, zacc
 
 
 # Sizes that grow during generation are not specialized on (Triton would compile a new variant whenever one
@@ -337,7 +309,6 @@ def _decode_split_kernel(
         qk_scale, CK, CV, KMP, VMP, NSPLIT, NPART,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
-        MAGIC: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr, BLOCK_NB: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -367,7 +338,6 @@ def _decode_split_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     zacc = tl.zeros((BLOCK_M,), tl.float32)
-    sums = tl.zeros((BLOCK_M, SUMS), tl.float32)
     acc0 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
@@ -376,10 +346,10 @@ def _decode_split_kernel(
     for slot in range(start, end):                      # both pages quantized: no branch in the loop body
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-        m_i, l_i, acc0, acc1, acc2, acc3, zacc, sums = _paged_block(
-            q_rows, rmask, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, zacc, sums, kpage, vpage, klow_ptr,
-            khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, NB, V_BITS,
-            DOT, PREC, ASM, MAGIC, W1, W2, W3, BLOCK_M, BLOCK_G4, BLOCK_D4, BLOCK_NB)
+        m_i, l_i, acc0, acc1, acc2, acc3, zacc = _paged_block(
+            q_rows, rmask, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, zacc, kpage, vpage, klow_ptr, khigh_ptr,
+            kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, NB, V_BITS, DOT, PREC,
+            ASM, BLOCK_M, BLOCK_G4, BLOCK_D4, BLOCK_NB)
 
     for blk in range(rest, tl.minimum(rest + 1, n_rest)):   # at most one remaining block per program
         in_sink = blk < n_sink_blocks
@@ -388,8 +358,8 @@ def _decode_split_kernel(
         if (blk >= n_sink_blocks) & (slot < nkp):
             kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
             s0, s1, s2, s3 = _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                              kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, MAGIC, W1, W2, W3,
-                                              BLOCK_M, BLOCK_G4, BLOCK_NB)
+                                              kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, BLOCK_M, BLOCK_G4,
+                                              BLOCK_NB)
         else:
             row0 = tl.where(in_sink, blk * G, S + (slot - nkp) * G)
             s0, s1, s2, s3 = _fp_key_scores(q_rows, rmask, qk_scale, kfp_ptr + kv_head * CK * D, row0, n_valid, D,
@@ -397,42 +367,40 @@ def _decode_split_kernel(
         p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4, BLOCK_G4, True)
         if (blk >= n_sink_blocks) & (slot < nvp):
             vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-            acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr,
-                                                                vhigh_ptr, vscale_ptr, vzero_ptr, vpage, 0, G, D4,
-                                                                V_BITS, DOT, PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr,
-                                                                vhigh_ptr, vscale_ptr, vzero_ptr, vpage, 1, G, D4,
-                                                                V_BITS, DOT, PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr,
-                                                                vhigh_ptr, vscale_ptr, vzero_ptr, vpage, 2, G, D4,
-                                                                V_BITS, DOT, PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3, zacc, sums = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, sums, vlow_ptr,
-                                                                vhigh_ptr, vscale_ptr, vzero_ptr, vpage, 3, G, D4,
-                                                                V_BITS, DOT, PREC, ASM, MAGIC, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 0, G, D4, V_BITS, DOT,
+                                                          PREC, ASM, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 1, G, D4, V_BITS, DOT,
+                                                          PREC, ASM, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 2, G, D4, V_BITS, DOT,
+                                                          PREC, ASM, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 3, G, D4, V_BITS, DOT,
+                                                          PREC, ASM, BLOCK_G4, BLOCK_D4)
         else:
             row0 = tl.where(in_sink, blk * G, S + (slot - nvp) * G)
             vfp = vfp_ptr + kv_head * CV * D
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p0, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 0, D, G4, DOT,
-                                                       PREC, W1, W2, W3, BLOCK_G4, BLOCK_D4)
+                                                       PREC, BLOCK_G4, BLOCK_D4)
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p1, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 1, D, G4, DOT,
-                                                       PREC, W1, W2, W3, BLOCK_G4, BLOCK_D4)
+                                                       PREC, BLOCK_G4, BLOCK_D4)
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p2, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 2, D, G4, DOT,
-                                                       PREC, W1, W2, W3, BLOCK_G4, BLOCK_D4)
+                                                       PREC, BLOCK_G4, BLOCK_D4)
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p3, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 3, D, G4, DOT,
-                                                       PREC, W1, W2, W3, BLOCK_G4, BLOCK_D4)
+                                                       PREC, BLOCK_G4, BLOCK_D4)
 
-    # acc_c = sum p * scale * (M + w_c * code) (+ w_c * full-precision values): out_c = (acc_c - M * sums) / w_c + zacc
     idx = (b * H * GROUP + h * GROUP + rows).to(tl.int64) * NPART + part
     tl.store(pm_ptr + idx, m_i, mask=rmask)
     tl.store(pl_ptr + idx, l_i, mask=rmask)
-    offset = (MAGIC * tl.max(sums, axis=1))[:, None]
     c = tl.arange(0, BLOCK_D4)
     out = po_ptr + idx[:, None] * D + c[None, :]
     omask = rmask[:, None] & (c < D4)[None, :]
-    tl.store(out, acc0 - offset + zacc[:, None], mask=omask)
-    tl.store(out + D4, (acc1 - offset) * (1.0 / W1) + zacc[:, None], mask=omask)
-    tl.store(out + 2 * D4, (acc2 - offset) * (1.0 / W2) + zacc[:, None], mask=omask)
-    tl.store(out + 3 * D4, (acc3 - offset) * (1.0 / W3) + zacc[:, None], mask=omask)
+    tl.store(out, acc0 + zacc[:, None], mask=omask)
+    tl.store(out + D4, acc1 + zacc[:, None], mask=omask)
+    tl.store(out + 2 * D4, acc2 + zacc[:, None], mask=omask)
+    tl.store(out + 3 * D4, acc3 + zacc[:, None], mask=omask)
 
 
 @triton.jit(do_not_specialize=["NPART"])
@@ -515,11 +483,9 @@ class DecodeWorkspace:
         return self.buffers
 
 
-def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int,
-                           emulate_unpack: bool = False) -> tuple[tuple, dict]:
+def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
     (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each.
-    emulate_unpack: operands M + w * code as the GPU's bit trick makes them, by ordinary arithmetic (tests).
     Also used to compile the kernel for a profile."""
     part_o, part_m, part_l = parts
     bsz, hq, d = q.shape
@@ -529,12 +495,9 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
             kv.n_vpages, part_o, part_m, part_l, sm_scale * math.log2(math.e), kv.k_fp.shape[2], kv.v_fp.shape[2],
             kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     dot = dot_dtype(q.dtype)
-    asm = 3 if emulate_unpack else 0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0)
-    half = {1: torch.bfloat16, 2: torch.float16, 3: torch.bfloat16}.get(asm)
-    weights = field_weights(half) if half else [1.0] * 4
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
-                     PREC="ieee" if dot == tl.float32 else "tf32", ASM=asm, MAGIC=MAGIC[half] if half else 0.0,
-                     W1=weights[1], W2=weights[2], W3=weights[3],
+                     PREC="ieee" if dot == tl.float32 else "tf32",
+                     ASM=0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0),
                      BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
                      BLOCK_G4=max(16, triton.next_power_of_2(g // 4)), BLOCK_D4=max(16, triton.next_power_of_2(d // 4)),
                      BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)))
@@ -543,12 +506,12 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, emulate_unpack: bool = False) -> torch.Tensor:
+                     maxnreg: int | None = None) -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap (defaults
     tuned on the H200). With a workspace, its buffers are reused (see DecodeWorkspace); without, they are
-    allocated per call. emulate_unpack: see split_kernel_arguments."""
+    allocated per call."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     if num_splits is None:
@@ -557,7 +520,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     num_parts = num_splits + remaining_blocks(kv)
     q = q.contiguous()
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
-    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, emulate_unpack)
+    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, num_parts, D=d,
