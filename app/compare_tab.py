@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 
 import gradio as gr
+import numpy as np
 
+from backend import memory
 from backend.analysis import bundled_text
 from backend.engine import (CUSTOM, REFERENCE, Comparison, GenerationSettings, InputError, MethodSnapshot, has_boost,
                             prepare_comparison, resolve_methods)
 from backend.methods import METHODS, SELECTIONS, SUPPORTED_BITS, method_config
-from storage import StorageError
+from storage import RunEntry
 
 from . import plots
 from .render import FOOTNOTE, metrics_html, pane_header, permalink_html, status_html
@@ -31,7 +32,6 @@ log = logging.getLogger(__name__)
 PANE_METHODS = [*METHODS, CUSTOM]
 DEFAULT_METHODS = ["fp16", "kivi-k2v2", "kitty"]
 PLOT_EVERY_S = 1.0                   # plots are heavier than text: redraw them about once a second
-KEEP_CACHES = 8                      # finished comparisons (all users together) whose caches stay for re-plotting
 EXAMPLES = [
     "Explain in three sentences why the sky is blue.",
     "Write a short poem about a cat who guards a library.",
@@ -110,11 +110,27 @@ def custom_settings(k_bits, v_bits, alpha, sink, page_size, window, selection) -
 
 
 # ---------------------------------------------------------------------------------------------- plot data
+def projection_figure(comparison: Comparison) -> object:
+    """KV bytes against context length: each method's line from backend.memory, its measured sizes on it."""
+    model_config = comparison.model.config
+    grid = sorted({*np.geomspace(16, memory.PROJECTION_TOKENS[-1], 48).astype(int).tolist(),
+                   *memory.PROJECTION_TOKENS})
+    snaps = comparison.snapshots()
+    lines = {label: (grid, [memory.sequence_bytes(snap.config, model_config, n) for n in grid])
+             for label, snap in snaps.items()}
+    # a point at the n-th new token measures the cache after prefill and n - 1 decode steps
+    points = {label: ([snap.prompt_tokens + p.tokens - 1 for p in snap.timeline], [p.kv_bytes for p in snap.timeline])
+              for label, snap in snaps.items()}
+    return plots.kv_projection_figure(lines, points)
+
+
 def live_figures(comparison: Comparison | None, method: str, layer: int, head: int) -> list:
-    """The four live figures for the session's comparison: boost mask, key magnitudes, KV bytes, speed."""
+    """The live figures for the session's comparison: boost mask, key magnitudes, KV bytes, speed, KV bytes
+    against context length."""
     if comparison is None:
         return [plots.empty_figure(title, "Run a comparison to see this plot.") for title in
-                ("Boost mask", "Key magnitudes", "KV cache size while generating", "Decode speed")]
+                ("Boost mask", "Key magnitudes", "KV cache size while generating", "Decode speed",
+                 "KV cache size against context length")]
     snaps = comparison.snapshots()
     snap = snaps.get(method)
     layers = comparison.num_layers
@@ -152,7 +168,8 @@ def live_figures(comparison: Comparison | None, method: str, layer: int, head: i
                     for label, s in snaps.items()}
     speed_series = {label: ([p.elapsed_s for p in s.timeline if p.tokens_per_s],
                             [p.tokens_per_s for p in s.timeline if p.tokens_per_s]) for label, s in snaps.items()}
-    return [mask_fig, magnitude_fig, plots.kv_bytes_figure(bytes_series), plots.speed_figure(speed_series)]
+    return [mask_fig, magnitude_fig, plots.kv_bytes_figure(bytes_series), plots.speed_figure(speed_series),
+            projection_figure(comparison)]
 
 
 # ---------------------------------------------------------------------------------------------- the tab
@@ -170,10 +187,8 @@ class ComparePage:
     plot_controls: list              # method, layer, head
     chats: dict                      # method -> gr.Chatbot
     metrics: dict                    # method -> gr.HTML
-    figures: list                    # boost mask, magnitudes, kv bytes, speed
+    figures: list                    # boost mask, magnitudes, kv bytes, speed, kv bytes against context length
     status: gr.HTML
-    kept: deque = field(default_factory=deque)      # finished comparisons still holding their caches
-    kept_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def send_inputs(self) -> list:
@@ -202,7 +217,7 @@ class ComparePage:
             user = {"role": "user", "content": (prompt or "").strip()}
             conversations = {label: history_messages(chats[label]) + [user] for label in configs}
             comparison = prepare_comparison(model, tokenizer, conversations, configs, settings,
-                                            max_new_tokens_cap=self.services.config.max_new_tokens_cap)
+                                            limits=self.services.config.limits)
         except InputError as exc:
             yield {self.status: status_html("error", str(exc))}
             return
@@ -220,12 +235,12 @@ class ComparePage:
         shown = {label: list(chats[label] or []) + [user] for label in labels}
         has_reference = REFERENCE in labels
         messages = conversations[labels[0]]
+        run = self.services.runlog.begin(model.kitty_model_name, messages, settings, labels)   # "running" now
         comparison.start()
-        yield {self.status: status_html("running", f"Generating with {len(labels)} methods at the same time…"),
-               self.prompt: "", self.plot_controls[0]: gr.update(choices=labels, value=method)}
-
         last_plot, finished = 0.0, False
         try:
+            yield {self.status: status_html("running", f"Generating with {len(labels)} methods at the same time…"),
+                   self.prompt: "", self.plot_controls[0]: gr.update(choices=labels, value=method)}
             for snaps in comparison.updates():
                 update = {self.chats[label]: shown[label] + [answer_message(snap)] for label, snap in snaps.items()}
                 update.update({self.metrics[label]: metrics_html(snap, comparison.memory_label, has_reference)
@@ -236,43 +251,26 @@ class ComparePage:
                 yield update
             finished = True
             self._keep(comparison)
-            yield {self.status: self._save(model, messages, settings, snaps, comparison)}
+            yield {self.status: self._save(run, snaps, comparison)}
         finally:
-            if not finished:
-                # The page went away mid-run (Gradio closed this generator): stop the methods and log what they
-                # wrote, from a thread, since whatever thread closes a generator should not wait for a decode step
-                threading.Thread(target=self._save_abandoned, args=(model, messages, settings, comparison),
-                                 daemon=True).start()
+            if not finished:             # the page went away mid-run (Gradio closed this generator)
+                self.services.runlog.abandon(run, comparison)
 
     def _keep(self, comparison: Comparison) -> None:
-        """Caches hold every key and value: keep those of the last KEEP_CACHES comparisons only, so that an
-        idle tab's plots can still explore any layer while memory stays bounded however many people visit."""
-        with self.kept_lock:
-            self.kept.append(comparison)
-            while len(self.kept) > KEEP_CACHES:
-                self.kept.popleft().release()
+        """Caches hold every key and value: an idle tab's plots can still explore any layer of the latest
+        comparisons, within the operator's memory budget however many people visit (services.KeptCaches)."""
+        self.services.kept.add(comparison)
 
-    def _save_abandoned(self, model, messages, settings, comparison: Comparison) -> None:
-        comparison.stop()
-        comparison.join()
-        self._save(model, messages, settings, comparison.snapshots(), comparison)
-        comparison.release()                 # nobody is left to plot it
-
-    def _save(self, model, messages, settings, snaps, comparison: Comparison) -> str:
-        """Log the run; the status line that says how it went and where it is (or why it was not saved)."""
+    def _save(self, run: RunEntry, snaps, comparison: Comparison) -> str:
+        """Complete the run in the log; the status line that says how it went and where it is (or will be)."""
         counts = Counter(snap.status for snap in snaps.values())
         failed = [label for label, snap in snaps.items() if snap.status == "error"]
         summary = f"{counts['done']} of {len(snaps)} methods finished" + \
             (f", {counts['stopped']} stopped" if counts["stopped"] else "") + \
             (f"; failed: {', '.join(failed)} (see their panes)" if failed else "") + "."
-        try:
-            record = self.services.runlog.save(model.kitty_model_name, messages, settings, snaps,
-                                               comparison.memory_label)
-        except StorageError as exc:
-            return status_html("warning", f"{summary} The answers are shown, but the run was not saved to the "
-                                          f"history: {exc}")
-        return status_html("warning" if failed else "ok", f"{summary} Saved as run {record.slug}.",
-                           permalink_html(record.slug))
+        outcome = self.services.runlog.finish(run, snaps, comparison.memory_label)
+        link = permalink_html(outcome.slug) if outcome.saved or outcome.waiting else ""
+        return status_html("warning" if failed or not outcome.saved else "ok", f"{summary} {outcome.note}", link)
 
     def redraw(self, session: CompareSession, method, layer, head):
         """The plot selection changed: follow it now and in the running comparison's next redraws."""
@@ -314,23 +312,24 @@ def build(services: Services) -> ComparePage:
                 alpha = gr.Slider(0, 1, value=0.125, step=0.005, label="Boost fraction α",
                                   info="share of key channels stored at 4 bits (needs 2-bit keys)")
                 with gr.Row():
-                    sink = gr.Number(32, label="Sink", precision=0, min_width=80)
-                    page_size = gr.Number(128, label="Page size", precision=0, min_width=80)
-                    window = gr.Number(128, label="Window", precision=0, min_width=80)
+                    sink = gr.Number(32, label="Sink", precision=None, min_width=80)
+                    page_size = gr.Number(128, label="Page size", precision=None, min_width=80)
+                    window = gr.Number(128, label="Window", precision=None, min_width=80)
                 selection = gr.Radio(list(SELECTIONS), value="magnitude", label="Channel selection")
             with gr.Accordion("Generation", open=True):
-                max_new_tokens = gr.Number(64, label="Max new tokens", precision=0, elem_id="max-new-tokens",
+                max_new_tokens = gr.Number(64, label="Max new tokens", precision=None, elem_id="max-new-tokens",
                                            info=f"1 to {services.config.max_new_tokens_cap}")
                 decoding = gr.Radio(["greedy", "sample"], value="greedy", label="Decoding")
                 with gr.Group(visible=False) as sampling_box:
                     temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
                     top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.01, label="Top-p")
-                    top_k = gr.Number(50, label="Top-k (0 = off)", precision=0)
-                seed = gr.Number(0, label="Seed", precision=0,
+                    top_k = gr.Number(50, label="Top-k (0 = off)", precision=None)
+                seed = gr.Number(0, label="Seed", precision=None,
                                  info="every method samples with the same seed")
-            model_name = gr.Textbox(services.models.default_name, label="Model (Hugging Face id)",
-                                    visible=services.config.allow_any_model,
-                                    info="the operator allows any model; remote code never runs")
+            model_name = gr.Textbox(services.models.default_name, label="Model",
+                                    visible=services.config.allow_any_model or bool(services.config.allowed_models),
+                                    info="a model the operator allows (README: loading other models); remote "
+                                         "code never runs")
         with gr.Column(scale=4):
             panes, chats, metrics = {}, {}, {}
             with gr.Row(elem_classes="kitty-panes"):
@@ -354,6 +353,8 @@ def build(services: Services) -> ComparePage:
                         clear = gr.Button("New chat", size="sm", min_width=60, elem_id="new-chat")
             status = gr.HTML("", elem_id="compare-status")
             gr.Examples(EXAMPLES, inputs=[prompt], label="Try one (the last is long enough for 2-bit pages)")
+            projection_plot = gr.Plot(live_figures(None, "kitty", 0, 0)[4], show_label=False,
+                                      elem_id="kv-projection-plot")
 
     gr.Markdown("### What the caches hold, live\n"
                 "**Boost mask**: for every 128-token key page, the channels Kitty keeps at 4 bits (orange), the "
@@ -374,8 +375,8 @@ def build(services: Services) -> ComparePage:
     page = ComparePage(services, session, prompt, methods,
                        [k_bits, v_bits, alpha, sink, page_size, window, selection],
                        [max_new_tokens, decoding, temperature, top_p, top_k, seed], model_name,
-                       [plot_method, layer, head], chats, metrics, [mask_plot, magnitude_plot, bytes_plot, speed_plot],
-                       status)
+                       [plot_method, layer, head], chats, metrics,
+                       [mask_plot, magnitude_plot, bytes_plot, speed_plot, projection_plot], status)
 
     methods.change(page.show_panes, methods, [*panes.values(), custom_box], queue=False, api_visibility="private")
     decoding.change(lambda mode: gr.update(visible=mode == "sample"), decoding, sampling_box, queue=False,

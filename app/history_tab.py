@@ -1,11 +1,20 @@
 """The History tab: past runs from the database, filtered by method, model and date; one run reopened with its
-answers, metrics and plots; CSV export. A permalink (/?run=<slug>) opens this tab on that run."""
+answers, metrics and plots; CSV export. A permalink (/?run=<slug>) opens this tab on that run.
+
+Database failures show their short reason; the details (paths, the database URL) go to the server log only."""
 from __future__ import annotations
 
+import atexit
+import logging
+import os
+import re
+import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from html import escape
+from pathlib import Path
 
 import gradio as gr
 
@@ -16,11 +25,39 @@ from .render import fmt_bytes, fmt_ratio, permalink_html, status_html
 from .runlog import stored_boost
 from .services import Services
 
+log = logging.getLogger(__name__)
+
 ANY = "any"
 RUN_COLUMNS = ["run", "when (UTC)", "model", "methods", "status", "prompt"]
 METRIC_COLUMNS = ["method", "status", "tokens", "tok/s", "first token (s)", "KV cache", "vs FP16", "bits K / V",
                   "peak memory", "agreement with FP16", "error"]
 LIST_LIMIT = 200
+RUN_ID = re.compile(r"[A-Za-z0-9]{1,32}")    # a slug (10 letters and digits) or a numeric id
+EXPORT_TTL_S = 60.0     # Gradio copies an export into its own cache when it answers: ours can go soon after
+
+
+def _unavailable(what: str, exc: StorageError) -> str:
+    log.warning("%s: %s", what, exc)
+    return status_html("warning", f"{what}: {exc.reason}.")
+
+
+class ExportFolder:
+    """This process's CSV exports, in one temporary folder that goes when the process ends; each export removes
+    those older than EXPORT_TTL_S, so files do not pile up while the server runs."""
+
+    def __init__(self):
+        self._path: str | None = None
+
+    def new_file(self) -> str:
+        if self._path is None:
+            self._path = tempfile.mkdtemp(prefix="kitty-exports-")
+            atexit.register(shutil.rmtree, self._path, True)
+        for old in Path(self._path).iterdir():
+            if time.time() - old.stat().st_mtime > EXPORT_TTL_S:
+                old.unlink(missing_ok=True)
+        handle, path = tempfile.mkstemp(prefix="kitty-runs-", suffix=".csv", dir=self._path)
+        os.close(handle)
+        return path
 
 
 @dataclass
@@ -120,6 +157,7 @@ class HistoryPage:
     plot_controls: list           # method, layer, head
     figures: list
     csv_file: gr.File
+    exports: ExportFolder = field(default_factory=ExportFolder)
 
     @property
     def view_outputs(self) -> list:
@@ -136,7 +174,7 @@ class HistoryPage:
                                            limit=LIST_LIMIT)
             methods, models = db.database().distinct_methods(), db.database().distinct_models()
         except StorageError as exc:
-            return [], status_html("warning", f"The history is unavailable: {exc}"), gr.update(), gr.update()
+            return [], _unavailable("The history is unavailable", exc), gr.update(), gr.update()
         rows = [[r.slug, r.created_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M"), r.model,
                  ", ".join(r.methods), r.status, r.prompt] for r in runs]
         shown = f"the newest {LIST_LIMIT} runs" if len(rows) == LIST_LIMIT else f"{len(rows)} run(s)"
@@ -150,10 +188,15 @@ class HistoryPage:
         if not slug:
             blank[1] = status_html("error", "Type a run id (the part after ?run= in a permalink).")
             return blank
+        if not RUN_ID.fullmatch(slug):
+            shown = slug if len(slug) <= 40 else slug[:40] + "…"
+            blank[1] = status_html("error", f"{shown!r} is not a run id: run ids are letters and digits, like "
+                                            f"aB3dE5gH7j.")
+            return blank
         try:
             detail = self.services.runlog.get(slug)
         except StorageError as exc:
-            blank[1] = status_html("warning", f"Could not open the run: {exc}")
+            blank[1] = _unavailable("Could not open the run", exc)
             return blank
         if detail is None:
             blank[1] = status_html("error", f"No run {slug!r} in this database.")
@@ -172,14 +215,15 @@ class HistoryPage:
         return self.open_run(slug, plot_method, layer, head)
 
     def export(self, method, model, since, until):
+        path = self.exports.new_file()
         try:
             start, end = date_range(since, until)
-            path = tempfile.NamedTemporaryFile(prefix="kitty-runs-", suffix=".csv", delete=False).name
             count = self.services.runlog.database().export_csv(
                 path, method=None if method in (None, ANY) else method,
                 model=None if model in (None, ANY) else model, since=start, until=end)
         except StorageError as exc:
-            return gr.update(visible=False), status_html("warning", f"Export failed: {exc}")
+            os.unlink(path)
+            return gr.update(visible=False), _unavailable("Export failed", exc)
         return gr.update(value=path, visible=True), status_html("ok", f"Exported {count} row(s), one per method.")
 
     def redraw(self, run: OpenRun, method, layer, head):

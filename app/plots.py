@@ -102,6 +102,29 @@ def kv_bytes_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]
                         "Sizes appear as tokens arrive.")
 
 
+def kv_projection_figure(lines: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+                         points: Mapping[str, tuple[Sequence[int], Sequence[int]]]) -> go.Figure:
+    """KV bytes of one sequence against context length: per method a line from the layout's arithmetic and the
+    sizes measured while it generated as markers on it. `lines` / `points` map a method to (tokens, bytes)."""
+    title = "KV cache size against context length"
+    if not lines:
+        return empty_figure(title, "Run a comparison to see this plot.")
+    fig = go.Figure()
+    for method, (tokens, size) in lines.items():
+        fig.add_trace(go.Scatter(x=list(tokens), y=[b / 1e6 for b in size], mode="lines", name=method,
+                                 line=dict(color=color(method), width=3), legendgroup=method,
+                                 hovertemplate=f"{method}: %{{y:.1f}} MB at %{{x:,}} tokens (projected)<extra></extra>"))
+    for method, (tokens, size) in points.items():
+        if len(tokens):
+            fig.add_trace(go.Scatter(x=list(tokens), y=[b / 1e6 for b in size], mode="markers", showlegend=False,
+                                     marker=dict(color=color(method), size=8, line=dict(color="white", width=1)),
+                                     legendgroup=method,
+                                     hovertemplate=f"{method}: %{{y:.2f}} MB at %{{x:,}} tokens (measured)<extra></extra>"))
+    fig.update_xaxes(title="context length (tokens, log scale)", type="log")
+    fig.update_yaxes(title="MB (one sequence)", rangemode="tozero")
+    return _layout(fig, title + " · lines: projected from the layout, dots: measured")
+
+
 def speed_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]) -> go.Figure:
     """Decode speed over time (rolling over the last few tokens): `series` maps a method to (seconds, tok/s)."""
     return lines_figure(series, "Decode speed (tokens/s, rolling)", "seconds since start", "tokens/s",
@@ -140,3 +163,54 @@ def sweep_figure(records: Sequence[Mapping]) -> go.Figure:
     fig.update_xaxes(title="key channels boosted to 4 bits (%)")
     fig.update_yaxes(title="KL from FP16 (nats/token)", rangemode="tozero")
     return _layout(fig, "Boost sweep: which channels you protect matters (paper Figure 4)", height=420)
+
+
+def page_channels_figure(anatomy: Mapping) -> go.Figure:
+    """Mean |K| of every key channel on one real page, the channels Kitty boosts to 4 bits in orange."""
+    mags = np.asarray(anatomy["magnitudes"])
+    boosted = set(anatomy["boosted"])
+    fig = go.Figure(go.Bar(x=np.arange(len(mags)), y=mags,
+                           marker_color=["#F58518" if c in boosted else "#9aa7b4" for c in range(len(mags))],
+                           hovertemplate="channel %{x}: mean |k| %{y:.2f}<extra></extra>"))
+    fig.update_xaxes(title="key channel")
+    fig.update_yaxes(title="mean |k| over the page's tokens")
+    first, last = anatomy["tokens"]
+    return _layout(fig, f"One real key page (layer {anatomy['layer']}, KV head {anatomy['head']}, tokens "
+                        f"{first}–{last - 1}): orange = the {len(boosted)} channels Kitty stores at 4 bits", height=360)
+
+
+def quantization_figure(anatomy: Mapping) -> go.Figure:
+    """The page's loudest and quietest channel token by token: the values, and what 2-bit and 4-bit min/max
+    quantization (4 and 16 levels between the channel's min and max) bring back."""
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=[
+        f"loud channel {anatomy['loud']['channel']} (mean |k| {anatomy['loud']['mean_abs']:.1f})",
+        f"quiet channel {anatomy['quiet']['channel']} (mean |k| {anatomy['quiet']['mean_abs']:.2f})"])
+    first = anatomy["tokens"][0]
+    for col, name in ((1, "loud"), (2, "quiet")):
+        ch = anatomy[name]
+        tokens = np.arange(first, first + len(ch["values"]))
+        for key, label, style in (("values", "keys (16-bit)", dict(color="#333", width=2)),
+                                  ("two_bit", f"2 bits (mean error {ch['error_two_bit']:.2f})",
+                                   dict(color="#E45756", width=2, shape="hv")),
+                                  ("four_bit", f"4 bits (mean error {ch['error_four_bit']:.2f})",
+                                   dict(color="#54A24B", width=2, shape="hv"))):
+            fig.add_trace(go.Scatter(x=tokens, y=ch[key], mode="lines", line=style, name=label,
+                                     legendgroup=f"{name}-{key}", showlegend=True), row=1, col=col)
+        fig.update_xaxes(title_text="token position", row=1, col=col)
+    fig.update_yaxes(title_text="key value", row=1, col=1)
+    _layout(fig, "What min/max quantization does to one channel: 4 levels (2 bits) vs 16 (4 bits)", height=420)
+    fig.update_layout(margin=dict(t=90), legend=dict(orientation="h", y=-0.3))
+    return fig
+
+
+def passkey_figure(grid: Mapping) -> go.Figure:
+    """Pass-key retrieval against prompt length: keys found out of the questions asked, one line per method."""
+    fig = go.Figure()
+    lengths, asked = grid["lengths"], grid["questions"]
+    for method, hits in grid["found"].items():
+        fig.add_trace(go.Scatter(x=lengths, y=hits, mode="lines+markers", name=method,
+                                 line=dict(color=color(method), width=3), marker=dict(size=10),
+                                 hovertemplate=f"{method}: %{{y}} of {asked} keys at %{{x:,}} tokens<extra></extra>"))
+    fig.update_xaxes(title="prompt length (tokens)", tickvals=lengths)
+    fig.update_yaxes(title=f"keys found (of {asked})", range=[-0.3, asked + 0.3], dtick=1)
+    return _layout(fig, "Pass-key retrieval: a 5-digit key hidden in filler text, asked for at the end", height=420)

@@ -41,15 +41,26 @@ def fmt_bytes(n: int | None) -> str:
 
 
 def fmt_ratio(ratio: float | None) -> str:
-    """KV bytes against FP16: '27% of FP16' below it, '2.1× FP16' above (small contexts: buffers dominate)."""
+    """KV bytes against FP16: '27% of FP16' up to FP16's size, '1.2× FP16' above."""
     if ratio is None:
         return "–"
-    return f"{ratio:.0%} of FP16" if ratio < 1 else f"{ratio:.1f}× FP16"
+    return f"{ratio:.0%} of FP16" if ratio < 1.005 else f"{ratio:.1f}× FP16"
 
 
 def _row(name: str, value: str, hint: str = "") -> str:
     title = f' title="{escape(hint)}"' if hint else ""
     return f'<div class="kitty-metric"{title}><span>{escape(name)}</span><b>{escape(value)}</b></div>'
+
+
+def fmt_tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+
+
+def projection_rows(snap: MethodSnapshot) -> list[str]:
+    """What the same cache would use at long contexts (backend.memory's arithmetic from the layout)."""
+    return [_row(f"at {fmt_tokens(tokens)} tokens (projected)", f"{fmt_bytes(used)} · {fmt_ratio(used / fp16)}",
+                 f"exact arithmetic from the page layout: one sequence of {tokens:,} tokens on this model; FP16 "
+                 f"would use {fmt_bytes(fp16)}") for tokens, used, fp16 in snap.projection]
 
 
 def metrics_html(snap: MethodSnapshot | None, memory_label: str, has_reference: bool) -> str:
@@ -64,8 +75,10 @@ def metrics_html(snap: MethodSnapshot | None, memory_label: str, has_reference: 
         _row("time to first token", f"{snap.ttft_s:.2f} s" if snap.ttft_s is not None else "–",
              "from the start (prompt prefill included) to the first new token"),
         _row("KV cache", fmt_bytes(snap.kv_bytes) if snap.kv_bytes else "–",
-             "bytes the cache holds: pages, full-precision buffers (model dtype), page tables"),
+             "bytes the stored tokens use: 2-bit pages with their scales and boost lists, full-precision buffers "
+             "(sink, last tokens) at 16 bits, page tables"),
         _row("vs FP16", fmt_ratio(snap.kv_ratio), "the same tokens' keys and values at 16 bits"),
+        *projection_rows(snap),
         _row("bits / element", f"K {snap.key_bits:.1f} · V {snap.value_bits:.1f}" if snap.key_bits else "–",
              "bits per stored key / value element, buffers and metadata included"),
         _row(memory_label, fmt_bytes(snap.peak_memory_bytes),
@@ -88,5 +101,7 @@ def metrics_html(snap: MethodSnapshot | None, memory_label: str, has_reference: 
 
 FOOTNOTE = ("Methods generate at the same time on shared hardware, so speeds compare them under equal load, not "
             "alone. Peak memory is the whole process (the model and every run in it), sampled per token. "
-            "Full-precision parts of each cache are stored in the model's dtype (float32 on a CPU), and short "
-            "chats are mostly such buffers: the 2-bit savings show once the chat passes a few hundred tokens.")
+            "KV cache sizes count the bytes the stored tokens use; a short chat is mostly 16-bit buffers (the "
+            "32-token sink and the newest 128 tokens), so the rows *projected* at 8K, 32K and 128K tokens (exact "
+            "arithmetic from the page layout, for one sequence on this model) show what each cache saves on long "
+            "contexts.")

@@ -14,6 +14,7 @@ waits for the end. No Gradio here: the web app, the JSON API and the tests drive
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from kernels.decode_attention import gather_kv
 
-from . import make_cache
+from . import make_cache, memory
 from .attention import use_kitty_attention
 from .cache import KittyLayer
 from .methods import METHODS, CacheConfig, method_config
@@ -38,12 +39,24 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_NEW_TOKENS_CAP = 1024
 REFERENCE = "fp16"                  # the method every other answer is compared with
 CUSTOM = "custom"
+MAX_METHODS = len(METHODS) + 1      # every preset and the custom method
+MAX_SEED = 2**32 - 1                # what every random generator (numpy's too) takes; also bounds top-k
 CAPTURE_EVERY = 16                  # tokens between two live snapshots of the focused layer's key magnitudes
 SPEED_WINDOW = 8                    # tokens in the rolling tokens/s of the timeline
 
 
 class InputError(ValueError):
     """A request the user can fix (empty prompt, too long, bad setting); its message is shown as is."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The operator's bounds on one comparison. prepare_comparison checks them, and the model's context (prompt
+    plus new tokens; the custom method's sink and window), before anything is tokenized or allocated."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS_CAP
+    max_chars: int = 100_000        # characters of the whole conversation, earlier turns included
+    max_messages: int = 200         # messages in the conversation, earlier turns included
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -71,7 +84,8 @@ class GenerationSettings:
             kind = {"int": int, "float": float, "bool": bool}[known[name]]
             if kind is bool and not isinstance(value, bool):
                 raise InputError(f"{name} must be true or false, not {value!r}")
-            if kind is not bool and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if kind is not bool and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                     or not math.isfinite(value)):
                 raise InputError(f"{name} must be a number, not {value!r}")
             if kind is int and value != int(value):
                 raise InputError(f"{name} must be a whole number, not {value!r}")
@@ -79,23 +93,32 @@ class GenerationSettings:
         return cls(**values)
 
     def validate(self, max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP) -> GenerationSettings:
+        """Every field, sampling ones included while greedy (they are stored with the run): finite and in range."""
         if not 1 <= self.max_new_tokens <= max_new_tokens_cap:
             raise InputError(f"Max new tokens must be between 1 and {max_new_tokens_cap} on this server "
                              f"(got {self.max_new_tokens}).")
+        if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
+            raise InputError(f"Temperature and top-p must be numbers (got {self.temperature}, {self.top_p}).")
         if self.sample:
             if not 0 < self.temperature <= 5:
                 raise InputError(f"Temperature must be above 0 and at most 5 (got {self.temperature}).")
             if not 0 < self.top_p <= 1:
                 raise InputError(f"Top-p must be above 0 and at most 1 (got {self.top_p}).")
-            if self.top_k < 0:
-                raise InputError(f"Top-k must be 0 (off) or more (got {self.top_k}).")
-        if self.seed < 0:
-            raise InputError(f"The seed must not be negative (got {self.seed}).")
+        if not 0 <= self.top_k <= MAX_SEED:
+            raise InputError(f"Top-k must be 0 (off) to {MAX_SEED} (got {self.top_k}).")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise InputError(f"The seed must be a whole number from 0 to {MAX_SEED} (got {self.seed}).")
         return self
 
 
 def resolve_methods(names: Sequence[str], custom: Mapping | None = None) -> dict[str, CacheConfig]:
-    """Method label -> CacheConfig, in the order of METHODS; "custom" takes its settings from `custom`."""
+    """Method label -> CacheConfig, in the order of METHODS; "custom" takes its settings from `custom`. The
+    custom sink and window are checked against a model's context by prepare_comparison."""
+    if isinstance(names, str) or not isinstance(names, Sequence | None) or \
+            not all(isinstance(name, str) for name in names or []):
+        raise InputError("Methods must be a list of method names, e.g. [\"fp16\", \"kitty\"].")
+    if len(names or []) > MAX_METHODS:
+        raise InputError(f"Choose at most {MAX_METHODS} methods per comparison (got {len(names)}).")
     names = list(dict.fromkeys(names or []))
     if not names:
         raise InputError("Choose at least one method to compare.")
@@ -105,6 +128,11 @@ def resolve_methods(names: Sequence[str], custom: Mapping | None = None) -> dict
                          f"{', '.join(METHODS)} or '{CUSTOM}'.")
     methods = {name: method_config(name) for name in METHODS if name in names}
     if CUSTOM in names:
+        if not isinstance(custom, Mapping | None):
+            raise InputError("Custom method: its settings must be an object, e.g. {\"k_bits\": 2, \"sink\": 32}.")
+        seed = (custom or {}).get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise InputError(f"Custom method: seed={seed!r} must be a whole number from 0 to {MAX_SEED}")
         try:
             methods[CUSTOM] = method_config(CUSTOM, **dict(custom or {}))
         except (ValueError, TypeError) as exc:
@@ -145,9 +173,27 @@ def encode_chat(tokenizer, messages: Sequence[Mapping]) -> torch.Tensor:
     return ids
 
 
-def check_conversation(messages: Sequence[Mapping]) -> None:
+def check_conversation(messages: Sequence[Mapping], limits: Limits = Limits()) -> None:
+    """An InputError unless the conversation ends in a user's message and stays within the limits (counted before
+    tokenizing: a huge conversation costs nothing but this check)."""
     if not messages or messages[-1].get("role") != "user" or not str(messages[-1].get("content", "")).strip():
         raise InputError("The prompt is empty: type a message first.")
+    if len(messages) > limits.max_messages:
+        raise InputError(f"The conversation has {len(messages)} messages; this server takes at most "
+                         f"{limits.max_messages}. Start a new chat.")
+    chars = sum(len(str(m.get("content", ""))) for m in messages)
+    if chars > limits.max_chars:
+        raise InputError(f"The conversation is {chars:,} characters long; this server takes at most "
+                         f"{limits.max_chars:,}. Shorten the prompt or start a new chat.")
+
+
+def check_context(config: CacheConfig, context: int) -> None:
+    """Full-precision parts are allocated up front (the sink) or soon (the window): a size beyond the model's
+    context stores nothing more, but could take the server's memory (sink 10**9: 768 GB)."""
+    for name in ("sink", "local_window", "page_size"):
+        if getattr(config, name) > context:
+            raise InputError(f"Custom method: {name}={getattr(config, name)} is larger than the model's context of "
+                             f"{context} tokens.")
 
 
 # ---------------------------------------------------------------------------------------------- snapshots
@@ -193,6 +239,7 @@ class MethodSnapshot:
     page_magnitudes: tuple[torch.Tensor | None, ...] = ()   # per layer: (pages, H, D) mean |k| that chose them
     key_magnitudes: KeyMagnitudes | None = None              # the focused layer, refreshed every CAPTURE_EVERY
     agreement: float | None = None  # share of tokens identical to the reference (fp16) answer
+    projection: tuple[tuple[int, int, int], ...] = ()       # (tokens, bytes used, FP16 bytes) at 8K / 32K / 128K
 
     @property
     def finished(self) -> bool:
@@ -221,7 +268,8 @@ class MethodSnapshot:
                 "kv_ratio": self.kv_ratio, "key_bits": self.key_bits, "value_bits": self.value_bits,
                 "bits_per_element": self.bits_per_element, "key_pages": self.key_pages,
                 "value_pages": self.value_pages, "peak_memory_bytes": self.peak_memory_bytes,
-                "agreement": self.agreement}
+                "agreement": self.agreement,
+                "projected_kv_bytes": {str(tokens): used for tokens, used, _ in self.projection}}
 
 
 def token_agreement(reference: Sequence[int], other: Sequence[int], final: bool = True) -> float | None:
@@ -355,7 +403,8 @@ class Comparison:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.memory_label, self._memory = memory_probe()
         self._jobs = {job.label: job for job in jobs}
-        self._snapshots = {job.label: MethodSnapshot(job.label, job.config, prompt_tokens=job.input_ids.shape[1])
+        self._snapshots = {job.label: MethodSnapshot(job.label, job.config, prompt_tokens=job.input_ids.shape[1],
+                                                     projection=memory.projection(job.config, model.config))
                            for job in jobs}
         self._lock = threading.Lock()
         self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -446,6 +495,11 @@ class Comparison:
         captured = snap.key_magnitudes
         return captured if captured is not None and captured.layer == layer else None
 
+    def held_bytes(self) -> int:
+        """What the methods' caches have allocated (0 once released): the cost of keeping them for re-plotting."""
+        return sum(int(cache.stats().bytes_reserved) for cache in (job.cache for job in self._jobs.values())
+                   if cache is not None)
+
     def release(self) -> None:
         """Drop the finished methods' caches (their memory); snapshots and metrics stay."""
         self.released = True
@@ -493,17 +547,25 @@ class Comparison:
 
 def prepare_comparison(model, tokenizer, conversations: Sequence[Mapping] | Mapping[str, Sequence[Mapping]],
                        methods: Mapping[str, CacheConfig], settings: GenerationSettings, *,
-                       max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP) -> Comparison:
-    """Check a request and tokenize it; raises InputError with a message for the user. `conversations` is one
-    chat for every method, or one per method label (multi-turn chats, where each method saw its own answers)."""
-    settings.validate(max_new_tokens_cap)
+                       limits: Limits = Limits(), max_new_tokens_cap: int | None = None) -> Comparison:
+    """Check a request against the limits and the model's context, and tokenize it; raises InputError with a
+    message for the user. Nothing is allocated until the comparison starts. `conversations` is one chat for every
+    method, or one per method label (multi-turn chats, where each method saw its own answers).
+    `max_new_tokens_cap` overrides limits.max_new_tokens."""
+    if max_new_tokens_cap is not None:
+        limits = replace(limits, max_new_tokens=max_new_tokens_cap)
+    settings.validate(limits.max_new_tokens)
     if not methods:
         raise InputError("Choose at least one method to compare.")
+    if len(methods) > MAX_METHODS:
+        raise InputError(f"Choose at most {MAX_METHODS} methods per comparison (got {len(methods)}).")
     context = model_context(model, tokenizer)
+    for config in methods.values():
+        check_context(config, context)
     jobs = []
     for label, config in methods.items():
         messages = conversations[label] if isinstance(conversations, Mapping) else conversations
-        check_conversation(messages)
+        check_conversation(messages, limits)
         ids = encode_chat(tokenizer, messages)
         if ids.shape[1] >= context:
             raise InputError(f"The prompt is {ids.shape[1]} tokens long, longer than the model's context of "
@@ -516,7 +578,7 @@ def prepare_comparison(model, tokenizer, conversations: Sequence[Mapping] | Mapp
     return Comparison(model, tokenizer, jobs, settings)
 
 
-__all__ = ["Comparison", "GenerationSettings", "InputError", "KeyMagnitudes", "MethodSnapshot", "TimelinePoint",
-           "DEFAULT_MAX_NEW_TOKENS_CAP", "REFERENCE", "CUSTOM", "describe_config", "has_boost", "prepare_comparison",
-           "resolve_methods", "token_agreement", "layer_key_magnitudes", "encode_chat", "model_context",
+__all__ = ["Comparison", "GenerationSettings", "InputError", "KeyMagnitudes", "Limits", "MethodSnapshot",
+           "TimelinePoint", "DEFAULT_MAX_NEW_TOKENS_CAP", "MAX_METHODS", "MAX_SEED", "REFERENCE", "CUSTOM",
+           "describe_config", "has_boost", "prepare_comparison", "resolve_methods", "token_agreement", "layer_key_magnitudes", "encode_chat", "model_context",
            "memory_probe", "SeededSampler"]

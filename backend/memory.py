@@ -57,3 +57,8 @@ def sequence_bytes(config: CacheConfig, model_config, tokens: int, sliding_elem_
 def fp16_sequence_bytes(model_config, tokens: int) -> int:
     """The same tokens' keys and values at 16 bits in every layer: what each ratio is measured against."""
     return sequence_bytes(CacheConfig("fp16", k_bits=16, v_bits=16, sink=0), model_config, tokens)
+
+
+def projection(config: CacheConfig, model_config, lengths=PROJECTION_TOKENS) -> tuple[tuple[int, int, int], ...]:
+    """(tokens, bytes used, FP16 bytes) of one sequence at each length: what the cache would hold."""
+    return tuple((n, sequence_bytes(config, model_config, n), fp16_sequence_bytes(model_config, n)) for n in lengths)

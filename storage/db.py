@@ -8,6 +8,8 @@ Settings, first match wins:
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import sqlite3
@@ -32,17 +34,30 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 # Execution option that makes the SQLite `begin` hook take the write lock up front.
 WRITE_LOCK_OPTION = "kitty_write_lock"
 
-# SQLite's terse messages, with what they usually mean for someone running the app.
+# SQLite's terse messages: what they usually mean for someone running the app (the log), and a short reason
+# that is safe to show any visitor (no path, no URL).
 _SQLITE_HINTS = {
-    "database is locked": "another connection kept it locked longer than the busy timeout",
-    "file is not a database": "the file is corrupt or is not an SQLite database",
-    "unable to open database file": "its folder is missing or not accessible",
-    "no such table": "the schema is missing; was the file deleted or replaced?",
+    "database is locked": ("another connection kept it locked longer than the busy timeout",
+                           "the database is locked by another writer"),
+    "file is not a database": ("the file is corrupt or is not an SQLite database", "the database file is damaged"),
+    "unable to open database file": ("its folder is missing or not accessible",
+                                     "the database folder is missing or not accessible"),
+    "no such table": ("the schema is missing; was the file deleted or replaced?", "the database has no tables"),
+    "readonly database": ("the file or its folder is read-only", "the database is read-only"),
+    "disk i/o error": ("the disk failed or the file went away", "the database disk failed"),
 }
+UNAVAILABLE = "the database is unavailable"
 
 
 class StorageError(Exception):
-    """Any failure to reach, read or write the database, with a readable message."""
+    """Any failure to reach, read or write the database. `str()` is the full story for the server log (paths and
+    the database URL, password hidden); `reason` is a short cause for visitors. `transient`: a retry may succeed
+    (locked, missing, unreachable), as opposed to a write the database refuses (a constraint, bad data)."""
+
+    def __init__(self, message: str, reason: str = UNAVAILABLE, transient: bool = True):
+        super().__init__(message)
+        self.reason = reason
+        self.transient = transient
 
 
 def resolve_url(environ: Mapping[str, str] | None = None) -> str:
@@ -71,18 +86,18 @@ def sqlite_file(url: str) -> Path | None:
     return Path(database)
 
 
-def describe(exc: BaseException) -> str:
-    """The driver's own message (not SQLAlchemy's wrapper with SQL and links), plus a hint."""
+def describe(exc: BaseException) -> tuple[str, str]:
+    """The driver's own message (not SQLAlchemy's wrapper with SQL and links) with a hint, and a short reason."""
     message = str(exc.orig) if isinstance(exc, DBAPIError) and exc.orig is not None else str(exc)
-    for needle, hint in _SQLITE_HINTS.items():
-        if needle in message:
-            return f"{message} ({hint})"
-    return message
+    for needle, (hint, reason) in _SQLITE_HINTS.items():
+        if needle in message.lower():
+            return f"{message} ({hint})", reason
+    return message, UNAVAILABLE
 
 
 def make_engine(url: str, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> Engine:
     parsed = make_url(url)
-    options: dict[str, Any] = {"pool_pre_ping": True}
+    options: dict[str, Any] = {"pool_pre_ping": True, "json_serializer": json_text}
     if parsed.get_backend_name() != "sqlite":
         return create_engine(parsed, **options)
     if parsed.database in (None, "", ":memory:"):
@@ -91,6 +106,22 @@ def make_engine(url: str, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> Eng
     engine = create_engine(parsed, **options)
     _configure_sqlite(engine, busy_timeout_ms)
     return engine
+
+
+def json_text(value: Any) -> str:
+    """JSON columns hold standard JSON on every backend: NaN and infinities (which json.dumps would write as is,
+    and PostgreSQL refuses) become null."""
+    return json.dumps(_finite(value), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _configure_sqlite(engine: Engine, busy_timeout_ms: int) -> None:

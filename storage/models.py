@@ -64,7 +64,12 @@ class RunRow(Base):
     prompt: Mapped[str] = mapped_column(Text)
     messages: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
     settings: Mapped[dict[str, Any]] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    # Who is generating a running run (storage.liveness.this_process()) and when it last said so: a run whose
+    # server died is told from one still generating (revision 0002).
+    owner: Mapped[str | None] = mapped_column(String(160))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     results: Mapped[list[MethodResultRow]] = relationship(
         back_populates="run", cascade="all, delete-orphan", passive_deletes=True, order_by="MethodResultRow.id"

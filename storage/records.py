@@ -27,10 +27,15 @@ METRIC_FIELDS: tuple[str, ...] = (
     "agreement",
 )
 
-# Run status derived from its results' errors.
+# Run status: derived from its results' errors once it ended normally...
 STATUS_OK = "ok"
 STATUS_PARTIAL = "partial"
 STATUS_FAILED = "failed"
+# ...or saying how it ended otherwise.
+STATUS_RUNNING = "running"          # recorded when it started, not finished (yet)
+STATUS_STOPPED = "stopped"          # a user stopped it: the answers are cut short
+STATUS_CANCELLED = "cancelled"      # its client went away (tab closed, API client disconnected) before the end
+STATUS_INTERRUPTED = "interrupted"  # its server ended (crash, kill) before the run did
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,24 @@ class MethodResult:
         data = dict(value)
         stats = [s if isinstance(s, PageStat) else PageStat(**s) for s in data.pop("page_stats", None) or []]
         return cls(**data, page_stats=stats)
+
+
+@dataclass(frozen=True)
+class RunEntry:
+    """A run's whole state, as `Database.save_run` writes it under its slug: the same entry written twice stores
+    it once, so a write can be retried, and a later state (the results) replaces an earlier one (started).
+
+    `status` None: derived from the results' errors (ok, partial, failed)."""
+
+    slug: str
+    model: str
+    prompt: str
+    messages: list[dict[str, Any]]
+    settings: dict[str, Any]
+    created_at: datetime  # timezone-aware (naive is taken as UTC)
+    status: str | None = STATUS_RUNNING
+    results: list[MethodResult] = field(default_factory=list)
+    finished_at: datetime | None = None
 
 
 @dataclass(frozen=True)

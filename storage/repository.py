@@ -1,6 +1,10 @@
 """`Database`: the storage API. Every call runs in its own short-lived session
 and returns plain dataclasses from storage.records; every database failure
-surfaces as StorageError."""
+surfaces as StorageError.
+
+A run is written whole under its slug (`save_run`): when it starts, as
+"running", and again when it ends, with its results. A run whose server died
+meanwhile is found by `mark_interrupted`."""
 
 from __future__ import annotations
 
@@ -8,19 +12,23 @@ import csv
 import json
 import secrets
 import string
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from os import PathLike
+from pathlib import Path
 from typing import IO, Any
 
 from alembic.util import CommandError
-from sqlalchemy import ColumnElement, Engine, Select, insert, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import ColumnElement, Engine, Select, delete, insert, select, update
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from .codec import pack_floats, pack_mask, unpack_floats, unpack_mask
+from .liveness import is_gone, this_process
 from .db import (
     DEFAULT_BUSY_TIMEOUT_MS,
     WRITE_LOCK_OPTION,
@@ -37,11 +45,14 @@ from .models import MethodResultRow, PageStatRow, RunRow
 from .records import (
     METRIC_FIELDS,
     STATUS_FAILED,
+    STATUS_INTERRUPTED,
     STATUS_OK,
     STATUS_PARTIAL,
+    STATUS_RUNNING,
     MethodResult,
     PageStat,
     RunDetail,
+    RunEntry,
     RunRecord,
     RunSummary,
 )
@@ -52,6 +63,13 @@ SLUG_LENGTH = 10
 # 62**10 ≈ 8e17: a collision is negligible, and would only fail that one
 # record_run with a StorageError (unique constraint), never overwrite a run.
 _SLUG_ALPHABET = string.ascii_letters + string.digits
+# A numeric run id as text: ASCII digits ("²".isdigit() is true too), short enough for a 64-bit id.
+_MAX_ID_DIGITS = 18
+# Spreadsheets run a text cell that starts with one of these as a formula (CSV injection): such cells are
+# exported with a leading apostrophe, which spreadsheets take as "text" and do not show.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+# Failures a later attempt may get past: a lock, a missing file, a lost connection.
+_TRANSIENT = (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError, OSError)
 
 CSV_COLUMNS: tuple[str, ...] = (
     "run_id",
@@ -80,6 +98,11 @@ class Database:
     def __init__(self, url: str | None = None, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> None:
         self.url = resolve_url() if url is None else url
         self.masked_url = mask_url(self.url)
+        self.owner = this_process()  # the name running runs written here carry
+        self._file: Path | None = None
+        self._file_lock = threading.Lock()
+        self._file_identity: tuple[int, int] | None = None  # of the SQLite file the pool's connections opened
+        self._migrated = False  # that file is at head (init(), or a write recreated it)
         with self._guard("Could not open the database", need_file=False):
             self._file = sqlite_file(self.url)
             self._engine = make_engine(self.url, busy_timeout_ms)
@@ -98,10 +121,13 @@ class Database:
 
     def init(self) -> Database:
         """Create the SQLite folder if needed and migrate the schema to head. Idempotent."""
-        with self._guard("Could not create or upgrade the schema", need_file=False):
+        with self._guard("Could not create or upgrade the schema", need_file=False), self._file_lock:
             if self._file is not None:
                 self._file.parent.mkdir(parents=True, exist_ok=True)
             migrate(self._engine)
+            self._migrated = True
+            if self._file is not None:
+                self._file_identity = _file_identity(self._file)
         return self
 
     def schema_revision(self) -> str | None:
@@ -125,26 +151,39 @@ class Database:
         *,
         created_at: datetime | None = None,
     ) -> RunRecord:
-        """Store a run with all its method results and page stats in one transaction.
+        """Store a finished run with all its method results and page stats in one transaction.
 
         `results` items are MethodResult or dicts with its fields (page_stats as
         PageStat or dicts). A failed method carries `error`; the run's status is
         "ok", "partial" or "failed" from those errors. `created_at` defaults to
         now (naive values are taken as UTC). If anything fails, nothing is written.
         """
-        items = [MethodResult.coerce(result) for result in results]
-        run = RunRow(
-            slug="".join(secrets.choice(_SLUG_ALPHABET) for _ in range(SLUG_LENGTH)),
-            created_at=created_at or datetime.now(timezone.utc),
-            model=model,
-            prompt=prompt,
-            messages=[dict(message) for message in messages],
-            settings=dict(settings),
-            status=_run_status(items),
-            results=[_result_row(item) for item in items],
-        )
-        with self._guard("Could not record the run"), self._writes.begin() as session:
-            session.add(run)
+        created = created_at or datetime.now(timezone.utc)
+        entry = RunEntry(new_slug(), model, prompt, list(messages), dict(settings), created, status=None,
+                         results=list(results), finished_at=created)
+        return self.save_run(entry)
+
+    def save_run(self, entry: RunEntry) -> RunRecord:
+        """Write a run's whole state under its slug, in one transaction: a new run, or the same run again with its
+        status and results replaced. Writing the same entry twice leaves one run, so a failed write can simply be
+        retried. A run that got further than "running" is never put back to it. If anything fails, nothing is
+        written; once its SQLite file is gone, a write recreates it as soon as its folder is there."""
+        items = [MethodResult.coerce(result) for result in entry.results]
+        status = entry.status or _run_status(items)
+        with self._guard("Could not record the run", write=True), self._writes.begin() as session:
+            run = session.scalars(select(RunRow).where(RunRow.slug == entry.slug)).one_or_none()
+            if run is None:
+                run = RunRow(slug=entry.slug, created_at=entry.created_at, owner=self.owner)
+                session.add(run)
+            elif status == STATUS_RUNNING:
+                return _record(run)
+            else:  # its earlier results go (their page stats with them: ON DELETE CASCADE)
+                session.execute(delete(MethodResultRow).where(MethodResultRow.run_id == run.id))
+            run.model, run.prompt, run.status = entry.model, entry.prompt, status
+            run.messages = [dict(message) for message in entry.messages]
+            run.settings = dict(entry.settings)
+            run.heartbeat_at, run.finished_at = datetime.now(timezone.utc), entry.finished_at
+            run.results = [_result_row(item) for item in items]
             session.flush()  # assigns the result ids the page stat rows point to
             stat_rows = [
                 _page_stat_row(row.id, stat) for row, item in zip(run.results, items) for stat in item.page_stats
@@ -152,7 +191,43 @@ class Database:
             if stat_rows:
                 # Bulk insert: a run can carry tens of thousands of page stats.
                 session.execute(insert(PageStatRow), stat_rows)
-        return RunRecord(id=run.id, slug=run.slug, created_at=_as_utc(run.created_at), status=run.status)
+            return _record(run)
+
+    def touch_runs(self, slugs: Iterable[str]) -> None:
+        """The heartbeat of runs this process is still generating (see mark_interrupted)."""
+        slugs = list(slugs)
+        if not slugs:
+            return
+        with self._guard("Could not update running runs", write=True), self._writes.begin() as session:
+            session.execute(
+                update(RunRow)
+                .where(RunRow.slug.in_(slugs), RunRow.status == STATUS_RUNNING)
+                .values(heartbeat_at=datetime.now(timezone.utc))
+            )
+
+    def mark_interrupted(self, stale_after: timedelta, keep: Iterable[str] = ()) -> list[str]:
+        """Runs left "running" by a server that died become "interrupted": their owner was a process of this host
+        that no longer runs (a restart sees its own crash at once), or their heartbeat is older than
+        `stale_after` (a server elsewhere). `keep`: runs this process is generating. Returns the slugs marked."""
+        now, keep = datetime.now(timezone.utc), set(keep)
+        with self._guard("Could not look for interrupted runs"), self._reads.begin() as session:
+            running = session.execute(
+                select(RunRow.id, RunRow.slug, RunRow.owner, RunRow.heartbeat_at).where(RunRow.status == STATUS_RUNNING)
+            ).all()
+        dead = [
+            run
+            for run in running
+            if run.slug not in keep
+            and (is_gone(run.owner) or run.heartbeat_at is None or run.heartbeat_at < now - stale_after)
+        ]
+        if dead:
+            with self._guard("Could not mark interrupted runs", write=True), self._writes.begin() as session:
+                session.execute(
+                    update(RunRow)
+                    .where(RunRow.id.in_([run.id for run in dead]), RunRow.status == STATUS_RUNNING)
+                    .values(status=STATUS_INTERRUPTED, finished_at=now)
+                )
+        return [run.slug for run in dead]
 
     # --- reads ------------------------------------------------------------
 
@@ -238,6 +313,8 @@ class Database:
         Filters select runs as in list_runs (no limit by default); `method` also
         keeps only that method's rows. JSON fields are JSON strings, None is empty,
         created_at is ISO 8601 UTC. Token ids and the chat history are left out.
+        Text that a spreadsheet would run as a formula (=, +, -, @, tab, CR first)
+        starts with an apostrophe.
         """
         run_ids = _runs_query(method, model, since, until, limit, offset).with_only_columns(RunRow.id)
         stmt = (
@@ -257,25 +334,62 @@ class Database:
             writer.writerow(CSV_COLUMNS)
             count = 0
             for run, result in session.execute(stmt):
-                writer.writerow(_csv_row(run, result))
+                writer.writerow([_cell(value) for value in _csv_row(run, result)])
                 count += 1
             return count
 
     # --- helpers ----------------------------------------------------------
 
     @contextmanager
-    def _guard(self, action: str, *, need_file: bool = True) -> Iterator[None]:
+    def _guard(self, action: str, *, need_file: bool = True, write: bool = False) -> Iterator[None]:
         """Turn any database (or file system) failure into StorageError."""
-        if need_file and self._file is not None and not self._file.exists():
-            # Pooled connections still write to the deleted file's inode, where
-            # data would vanish unseen; drop them and refuse instead.
-            self._engine.dispose()
-            raise StorageError(f"{action}: the database file {self._file} is missing (database: {self.masked_url})")
         try:
+            if need_file and self._file is not None:
+                self._check_file(action, recreate=write)
             yield
         # ImportError: the URL names a database driver that is not installed.
         except (SQLAlchemyError, CommandError, OSError, ImportError) as exc:
-            raise StorageError(f"{action}: {describe(exc)} (database: {self.masked_url})") from exc
+            message, reason = describe(exc)
+            raise StorageError(
+                f"{action}: {message} (database: {self.masked_url})", reason, isinstance(exc, _TRANSIENT)
+            ) from exc
+
+    def _check_file(self, action: str, *, recreate: bool) -> None:
+        """Pooled connections keep using a deleted file's inode, where writes would vanish unseen: notice a
+        missing or replaced file and drop them. A write recreates a missing file (and brings a replaced one to
+        head) once its folder is there; only init() creates the folder, since a folder that disappears may be a
+        volume that comes back."""
+        assert self._file is not None
+        with self._file_lock:
+            identity = _file_identity(self._file)
+            if identity != self._file_identity:
+                self._engine.dispose()
+                self._file_identity, self._migrated = identity, False
+            if identity is None and not (recreate and self._file.parent.is_dir()):
+                what = "file" if self._file.parent.is_dir() else "folder"
+                raise StorageError(
+                    f"{action}: the database {what} of {self._file} is missing (database: {self.masked_url})",
+                    f"the database {what} is missing",
+                )
+            if recreate and not self._migrated:
+                migrate(self._engine)
+                self._file_identity, self._migrated = _file_identity(self._file), True
+
+
+def new_slug() -> str:
+    return "".join(secrets.choice(_SLUG_ALPHABET) for _ in range(SLUG_LENGTH))
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:  # gone, or its folder is
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _record(run: RunRow) -> RunRecord:
+    return RunRecord(id=run.id, slug=run.slug, created_at=_as_utc(run.created_at), status=run.status)
 
 
 def _run_status(items: Sequence[MethodResult]) -> str:
@@ -363,9 +477,10 @@ def _runs_query(
 def _find_run(session: Session, key: str | int, loader: Any) -> RunRow | None:
     query = select(RunRow).options(loader)
     if isinstance(key, int):
-        return session.scalars(query.where(RunRow.id == key)).one_or_none()
+        fits = 0 <= key < 10**_MAX_ID_DIGITS
+        return session.scalars(query.where(RunRow.id == key)).one_or_none() if fits else None
     run = session.scalars(query.where(RunRow.slug == key)).one_or_none()
-    if run is None and key.isdigit():
+    if run is None and key.isascii() and key.isdigit() and len(key) <= _MAX_ID_DIGITS:
         run = session.scalars(query.where(RunRow.id == int(key))).one_or_none()
     return run
 
@@ -387,6 +502,10 @@ def _csv_row(run: RunRow, result: MethodResultRow) -> list[Any]:
         result.error,
         result.output_text,
     ]
+
+
+def _cell(value: Any) -> Any:
+    return "'" + value if isinstance(value, str) and value.startswith(_FORMULA_START) else value
 
 
 def _open_for_writing(path_or_file: str | PathLike[str] | IO[str]) -> AbstractContextManager[IO[str]]:

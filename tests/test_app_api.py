@@ -117,12 +117,12 @@ def test_a_long_comparison_does_not_hold_up_a_short_one(client):
     """Comparisons run side by side (compare_concurrency=2): a second user is not stuck behind a long answer."""
     import time
 
-    from gradio_client.utils import Status
     long_job = client.submit("Write a long story about a dragon who collects teapots.", ["fp16"],
                              '{"max_new_tokens": 64}', api_name="/compare")
     deadline = time.monotonic() + 60
-    while long_job.status().code != Status.PROCESSING and time.monotonic() < deadline:
+    while not long_job.outputs() and time.monotonic() < deadline:      # its first tokens streamed back
         time.sleep(0.05)
+    assert long_job.outputs() and not long_job.outputs()[0]["finished"]
     short = client.predict("Say hi.", ["fp16"], '{"max_new_tokens": 2}', api_name="/compare")
     assert not long_job.done(), "the short request waited for the long one"
     assert 1 <= short["results"]["fp16"]["n_tokens"] <= 2

@@ -1,9 +1,11 @@
-"""Bad input on the Compare tab gets a clear message in the page, never a stack trace; a broken database costs
-the history entry, not the answers. These drive the tab's Send handler directly (the exact function the
-button runs), with the tab built inside a gr.Blocks."""
+"""Bad input on the Compare tab gets a clear message in the page, never a stack trace; a broken database neither
+costs the answers nor (once it is back) the history entry. These drive the tab's Send handler directly (the exact
+function the button runs), with the tab built inside a gr.Blocks."""
 from __future__ import annotations
 
+import shutil
 import sqlite3
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from app.compare_tab import PANE_METHODS, CompareSession
 from app.config import AppConfig
 from app.runlog import RunLog
 from app.services import ModelRegistry, Services
+from storage import Database
 
 CUSTOM = dict(k_bits=2, v_bits=2, alpha=0.125, sink=32, page_size=128, window=128, selection="magnitude")
 GENERATION = dict(max_new_tokens=4, decoding="greedy", temperature=0.7, top_p=0.95, top_k=50, seed=0)
@@ -51,6 +54,20 @@ def answer(page, outputs, method) -> str:
     return compare_tab._text(outputs[page.chats[method]][-1]["content"])
 
 
+def slug_in(status: str) -> str:
+    return status.split("?run=")[1].split('"')[0]
+
+
+def stored(db_path: Path, slug: str, timeout: float = 20.0):
+    """The run once the run log's writer has it in the database (it retries in the background)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run = Database(f"sqlite:///{db_path}").get_run(slug) if db_path.exists() else None
+        if run is not None and run.status != "running" or time.monotonic() > deadline:
+            return run
+        time.sleep(0.2)
+
+
 def test_empty_prompt(page_for):
     page = page_for()
     for prompt in ("", "   \n "):
@@ -74,6 +91,39 @@ def test_max_new_tokens_beyond_the_cap(page_for):
     capped = page_for(max_new_tokens_cap=32)
     assert "between 1 and 32 on this server (got 33)" in status_of(capped, send(capped, max_new_tokens=33))
     assert "Max new tokens must be a whole number" in status_of(page, send(page, max_new_tokens=None))
+
+
+def test_the_page_refuses_what_the_api_refuses(page_for):
+    """The number fields hand 2.5 over as is (no rounding to 2), and the handler refuses it as the API does."""
+    page = page_for()
+    max_new_tokens, seed = page.generation[0], page.generation[5]
+    assert max_new_tokens.preprocess(2.5) == 2.5 and seed.preprocess(1e30) == 1e30
+    for kwargs, message in (({"max_new_tokens": max_new_tokens.preprocess(2.5)}, "Max new tokens must be a whole "
+                                                                                  "number (got 2.5)"),
+                            ({"seed": seed.preprocess(1e30)}, "seed must be a whole number from 0 to 4294967295"),
+                            ({"seed": -1}, "seed must be a whole number from 0 to 4294967295"),
+                            ({"top_k": 2**40}, "Top-k must be 0 (off) to 4294967295"),
+                            ({"temperature": float("nan")}, "Temperature must be a number")):
+        out = send(page, **kwargs)
+        assert "kitty-error" in status_of(page, out) and message in status_of(page, out), kwargs
+        assert page.chats["fp16"] not in out
+
+
+def test_sizes_beyond_the_model_context_are_refused_before_allocating(page_for):
+    page = page_for()
+    for custom, name in (({"sink": 40000}, "sink=40000"), ({"window": 10**9}, "local_window=1000000000")):
+        out = send(page, methods=("custom",), custom={**custom, "k_bits": 16, "v_bits": 16, "alpha": 0})
+        assert f"Custom method: {name} is larger than the model&#x27;s context of 8192 tokens" in status_of(page, out)
+    limited = page_for(max_prompt_chars=1000, max_messages=3)
+    out = send(limited, prompt="cat " * 300)
+    assert "The conversation is 1,199 characters long; this server takes at most 1,000" in status_of(limited, out)
+    chats = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}] * 2
+             if label == "fp16" else [] for label in PANE_METHODS]
+    outputs = {}
+    for update in limited.send(CompareSession(), "And now?", ["fp16"], *CUSTOM.values(), *GENERATION.values(), "",
+                               "kitty", 10, 0, *chats):
+        outputs.update(update)
+    assert "The conversation has 5 messages; this server takes at most 3" in status_of(limited, outputs)
 
 
 @pytest.mark.parametrize("custom, message", [
@@ -103,7 +153,7 @@ def test_other_models_need_the_operators_permission(page_for):
     assert "--allow-any-model" in status_of(page, out)
 
 
-def test_locked_database_still_shows_the_answers(page_for, tmp_path):
+def test_locked_database_still_shows_the_answers_and_keeps_the_run(page_for, tmp_path):
     db_path = tmp_path / "locked.sqlite3"
     page = page_for(f"sqlite:///{db_path}")
     holder = sqlite3.connect(db_path, isolation_level=None)
@@ -114,23 +164,40 @@ def test_locked_database_still_shows_the_answers(page_for, tmp_path):
         holder.execute("ROLLBACK")
         holder.close()
     status = status_of(page, out)
-    assert "kitty-warning" in status and "not saved" in status and "locked" in status
+    assert "kitty-warning" in status and "Not saved yet (the database is locked by another writer)" in status
+    assert str(tmp_path) not in status and "sqlite:" not in status        # the details stay in the server log
     assert answer(page, out, "fp16") and answer(page, out, "kitty")
     assert "done" in out[page.metrics["kitty"]]
-    # Once the lock is gone the same page saves again
+    # Once the lock is gone the waiting run is written, with nothing sent again
+    run = stored(db_path, slug_in(status))
+    assert run is not None and run.status == "ok" and [r.method for r in run.results] == ["fp16", "kitty"]
     assert "Saved as run" in status_of(page, send(page))
 
 
-def test_missing_database_still_shows_the_answers(page_for, tmp_path):
+def test_a_deleted_database_file_is_recreated(page_for, tmp_path):
     folder = tmp_path / "store"
     page = page_for(f"sqlite:///{folder / 'runs.sqlite3'}")
     assert "Saved as run" in status_of(page, send(page))
     for path in folder.iterdir():                        # someone deleted the database (and its WAL files)
         path.unlink()
     out = send(page)
+    assert "Saved as run" in status_of(page, out) and answer(page, out, "kitty")
+    assert stored(folder / "runs.sqlite3", slug_in(status_of(page, out))).status == "ok"
+
+
+def test_a_removed_database_folder_keeps_the_runs_until_it_is_back(page_for, tmp_path):
+    folder = tmp_path / "store"
+    page = page_for(f"sqlite:///{folder / 'runs.sqlite3'}")
+    first = slug_in(status_of(page, send(page)))
+    shutil.copytree(folder, tmp_path / "backup")
+    shutil.rmtree(folder)
+    out = send(page)
     status = status_of(page, out)
-    assert "kitty-warning" in status and "not saved" in status and "missing" in status
-    assert answer(page, out, "fp16") and answer(page, out, "kitty")
+    assert "Not saved yet (the database folder is missing)" in status and answer(page, out, "kitty")
+    assert str(folder) not in status
+    shutil.copytree(tmp_path / "backup", folder)         # the volume is back
+    assert stored(folder / "runs.sqlite3", slug_in(status)).status == "ok"
+    assert stored(folder / "runs.sqlite3", first).status == "ok"
 
 
 def test_unreachable_database_at_start_up_keeps_serving(page_for, tmp_path):
@@ -139,7 +206,8 @@ def test_unreachable_database_at_start_up_keeps_serving(page_for, tmp_path):
     page = page_for(f"sqlite:///{blocker / 'runs.sqlite3'}")
     assert page.services.runlog.startup_error
     out = send(page)
-    assert "not saved" in status_of(page, out) and answer(page, out, "kitty")
+    assert "Not saved yet (the database is unavailable)" in status_of(page, out) and answer(page, out, "kitty")
+    assert str(blocker) not in status_of(page, out)
 
 
 def test_one_method_failing_shows_in_its_pane_only(page_for, monkeypatch):
@@ -254,9 +322,9 @@ def test_the_service_binds_locally_unless_told_otherwise(monkeypatch):
     assert (config.host, config.allow_any_model, config.max_new_tokens_cap) == ("127.0.0.2", True, 256)
 
 
-def test_only_the_latest_comparisons_keep_their_caches(page_for, monkeypatch):
-    monkeypatch.setattr(compare_tab, "KEEP_CACHES", 1)
+def test_only_the_latest_comparisons_keep_their_caches(page_for):
     page = page_for()
+    page.services.kept.max_count = 1
     sessions = [CompareSession(), CompareSession()]
     for session in sessions:
         for _ in page.send(session, "Name a colour.", ["kitty"], *CUSTOM.values(), *GENERATION.values(), "",
@@ -267,3 +335,26 @@ def test_only_the_latest_comparisons_keep_their_caches(page_for, monkeypatch):
     assert not new.released and new.key_magnitudes("kitty", 3) is not None
     figures = compare_tab.live_figures(old, "kitty", 3, 0)
     assert "freed to save memory" in str(figures[1].to_dict())
+
+
+def test_kept_caches_stay_within_the_memory_budget(default_model):
+    from app.services import KeptCaches
+    from backend.engine import GenerationSettings, prepare_comparison, resolve_methods
+
+    def finished():
+        comparison = prepare_comparison(*default_model, [{"role": "user", "content": "Name a colour."}],
+                                        resolve_methods(["kitty"]), GenerationSettings(max_new_tokens=2))
+        comparison.run()
+        return comparison
+
+    old, new = finished(), finished()
+    one = old.held_bytes()
+    kept = KeptCaches(max_bytes=one * 3 // 2)            # room for one comparison, not two
+    kept.add(old)
+    kept.add(new)
+    assert old.released and old.held_bytes() == 0
+    assert not new.released and kept.held_bytes() == new.held_bytes() == one > 0
+    nothing = KeptCaches(max_bytes=0)                     # one comparison alone beyond the budget goes at once
+    nothing.add(new)
+    assert new.released and nothing.held_bytes() == 0
+    assert Services(AppConfig(keep_cache_mb=3), None, None).kept.max_bytes == 3 * 2**20

@@ -9,6 +9,7 @@ import io
 import json
 import multiprocessing
 import shutil
+import socket
 import sqlite3
 import struct
 import sys
@@ -21,9 +22,9 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import func, inspect, select, text
+from sqlalchemy import func, inspect, select, text, update
 
-from storage import CSV_COLUMNS, Database, MethodResult, PageStat, StorageError, resolve_url
+from storage import CSV_COLUMNS, Database, MethodResult, PageStat, RunEntry, StorageError, resolve_url
 from storage.codec import pack_mask, unpack_mask
 from storage.db import alembic_config, head_revision
 from storage.models import Base, MethodResultRow, PageStatRow, RunRow
@@ -195,8 +196,9 @@ def test_failed_transaction_writes_nothing(db: Database) -> None:
 
     stats = _page_stats()
     stats[-1] = dataclasses.replace(stats[-1], layer=None)  # NOT NULL violation in the very last row
-    with pytest.raises(StorageError, match="NOT NULL"):
+    with pytest.raises(StorageError, match="NOT NULL") as caught:
         db.record_run("m", "doomed", MESSAGES, SETTINGS, [_fp16_dict(), _kitty_result(page_stats=stats)])
+    assert not caught.value.transient  # a retry cannot help: the run itself is refused
 
     assert [_count(db, table) for table in (RunRow, MethodResultRow, PageStatRow)] == counts
     assert [run.prompt for run in db.list_runs()] == ["prompt before"]
@@ -208,6 +210,82 @@ def test_deleting_a_run_cascades(db: Database) -> None:
     with db.engine.begin() as conn:
         conn.execute(RunRow.__table__.delete().where(RunRow.id == record.id))
     assert (_count(db, MethodResultRow), _count(db, PageStatRow)) == (0, 0)
+
+
+# --- a run's life: started, finished, interrupted ------------------------------
+
+
+def _entry(slug: str = "aaaaaaaaa1", **changes) -> RunEntry:
+    values = dict(slug=slug, model="m", prompt="Another one?", messages=MESSAGES, settings=SETTINGS,
+                  created_at=datetime.now(timezone.utc))
+    return RunEntry(**{**values, **changes})
+
+
+def test_a_run_is_recorded_when_it_starts_and_completed_when_it_ends(db: Database) -> None:
+    started = _entry()
+    record = db.save_run(started)
+    assert record.status == "running" and db.get_run(started.slug).results == []
+
+    finished = dataclasses.replace(started, status=None, results=[_fp16_dict(), _kitty_result()],
+                                   finished_at=datetime.now(timezone.utc))
+    for _ in range(2):  # a retried write stores the run once
+        assert db.save_run(finished).id == record.id
+    detail = db.get_run(started.slug)
+    assert detail.status == "ok" and [r.method for r in detail.results] == ["fp16", "kitty"]
+    counts = [_count(db, table) for table in (RunRow, MethodResultRow, PageStatRow)]
+    assert counts == [1, 2, len(_kitty_result().page_stats)]
+
+    assert db.save_run(started).status == "ok"  # a late "started" never undoes the end
+    stopped = dataclasses.replace(finished, status="stopped", results=[_fp16_dict()])
+    assert db.save_run(stopped).status == "stopped"  # a later state replaces the results, page stats included
+    assert [_count(db, table) for table in (RunRow, MethodResultRow, PageStatRow)] == [1, 1, 0]
+
+
+def test_runs_whose_server_died_become_interrupted(db: Database) -> None:
+    def writer(owner: str) -> Database:
+        other = Database(db.url)
+        other.owner = owner
+        return other
+
+    db.save_run(_entry("alive00001"))  # this process, still running
+    db.save_run(_entry("kept000001"))  # this process, silent for long but still generating (keep)
+    writer(f"{socket.gethostname()}:4194305:1.00").save_run(_entry("dead000001"))  # beyond Linux's pid_max
+    writer("another-host:1:1.00").save_run(_entry("quiet00001"))  # another host, silent for long
+    writer("another-host:1:1.00").save_run(_entry("beats00001"))  # another host, silent for long, then beats
+    with db.engine.begin() as conn:
+        conn.execute(
+            update(RunRow)
+            .where(RunRow.slug.in_(["kept000001", "quiet00001", "beats00001"]))
+            .values(heartbeat_at=datetime.now(timezone.utc) - timedelta(minutes=5))
+        )
+    db.touch_runs(["beats00001"])
+
+    assert sorted(db.mark_interrupted(timedelta(minutes=2), keep=["kept000001"])) == ["dead000001", "quiet00001"]
+    statuses = {run.slug: run.status for run in db.list_runs()}
+    assert statuses == {"alive00001": "running", "kept000001": "running", "beats00001": "running",
+                        "dead000001": "interrupted", "quiet00001": "interrupted"}
+    assert db.get_run("dead000001").results == []
+    assert db.mark_interrupted(timedelta(minutes=2), keep=["kept000001"]) == []
+
+
+def test_json_columns_hold_standard_json(db: Database, db_path: Path) -> None:
+    record = db.record_run("m", "p", MESSAGES, {"temperature": float("nan"), "top_p": [float("inf"), 0.5]},
+                           [MethodResult("fp16", metrics={"tokens_per_s": float("-inf")})])
+    with sqlite3.connect(db_path) as raw:
+        settings, = raw.execute("SELECT settings FROM runs WHERE id = ?", (record.id,)).fetchone()
+    assert json.loads(settings, parse_constant=lambda c: pytest.fail(f"{c} in stored JSON")) == \
+        {"temperature": None, "top_p": [None, 0.5]}
+    assert db.get_run(record.slug).results[0].metrics == {"tokens_per_s": None}
+
+
+def test_a_schema_at_0001_is_upgraded_with_its_runs(db_path: Path) -> None:
+    db = Database(_url(db_path)).init()
+    record = _record_simple(db, "old run")
+    with db.engine.begin() as conn:
+        command.downgrade(alembic_config(conn), "0001")
+    assert "owner" not in {c["name"] for c in inspect(db.engine).get_columns("runs")}
+    db.init()
+    assert db.get_run(record.slug).status == "ok" and db.mark_interrupted(timedelta(minutes=2)) == []
 
 
 # --- concurrency -------------------------------------------------------------
@@ -312,6 +390,14 @@ def test_distinct_models_and_methods(history) -> None:
     assert db.distinct_methods() == ["fp16", "kitty", "kitty-pro", "kivi-k2v2"]
 
 
+def test_ids_that_are_not_plain_numbers_find_nothing(db: Database) -> None:
+    record = _record_simple(db, "one")
+    assert record.id == 1
+    for key in ("²", "¹", "1" * 5000, "0" * 19 + "1", 10**30, -1):  # no ValueError, no overflow
+        assert db.get_run(key) is None, key
+    assert db.get_run("1").slug == record.slug
+
+
 def test_permalink_by_slug_and_id(history) -> None:
     db, records, _ = history
     record = records[1]
@@ -358,6 +444,20 @@ def test_export_csv_one_row_per_result(db: Database, tmp_path: Path) -> None:
     assert json.loads(kitty["metrics"]) == {"prefill_s": 0.05, "notes": ["a", "b"]}
     assert kitty["error"] == "" and kitty["output_text"] == "Whiskers, maybe."
     assert rows[2]["error"] == "bad config" and rows[2]["tokens_per_s"] == ""
+
+
+def test_export_csv_neutralizes_formulas(db: Database) -> None:
+    formulas = ['=HYPERLINK("http://evil.example","x")', "+1+1", "-2+3", "@SUM(A1)", "\t=1", "\r=1"]
+    for text in formulas:
+        db.record_run("=cmd|' /C calc'!A0", text, MESSAGES, SETTINGS,
+                      [{"method": "fp16", "output_text": text, "error": "=1+1"}])
+    db.record_run("m", "a = b - c", MESSAGES, SETTINGS, [{"method": "fp16", "output_text": "fine"}])
+    out = io.StringIO()
+    db.export_csv(out)
+    rows = list(csv.DictReader(io.StringIO(out.getvalue())))
+    assert [row["prompt"] for row in rows] == ["a = b - c"] + ["'" + text for text in reversed(formulas)]
+    assert all(row["output_text"] == row["prompt"] for row in rows[1:]) and rows[0]["output_text"] == "fine"
+    assert {row["model"] for row in rows[1:]} == {"'=cmd|' /C calc'!A0"} and rows[1]["error"] == "'=1+1"
 
 
 def test_export_csv_filters(history) -> None:
@@ -420,7 +520,7 @@ def test_runs_survive_a_new_database_instance(db: Database, db_path: Path) -> No
 
 
 def test_init_stamps_head_and_is_idempotent(db: Database, db_path: Path) -> None:
-    assert head_revision() == "0001"
+    assert head_revision() == "0002"
     assert db.schema_revision() == head_revision()
     with sqlite3.connect(db_path) as raw:
         assert raw.execute("SELECT version_num FROM alembic_version").fetchall() == [(head_revision(),)]
@@ -478,10 +578,27 @@ def test_folder_removed_while_running(tmp_path: Path) -> None:
     db = Database(_url(folder / "kitty.sqlite3")).init()
     _record_simple(db, "first")
     shutil.rmtree(folder)
-    with pytest.raises(StorageError, match="missing"):
+    with pytest.raises(StorageError, match="missing") as caught:
         db.list_runs()
+    assert caught.value.reason == "the database folder is missing" and caught.value.transient
     with pytest.raises(StorageError, match="missing"):
-        _record_simple(db, "lost")
+        _record_simple(db, "lost")  # only init() makes the folder: a removed volume may come back
+
+
+def test_folder_restored_or_recreated_while_running(tmp_path: Path) -> None:
+    folder = tmp_path / "store"
+    db = Database(_url(folder / "kitty.sqlite3")).init()
+    first = _record_simple(db, "first")
+    shutil.copytree(folder, tmp_path / "backup")
+    shutil.rmtree(folder)
+    shutil.copytree(tmp_path / "backup", folder)  # restored: a new file, the same runs
+    second = _record_simple(db, "second")
+    assert [run.slug for run in Database(_url(folder / "kitty.sqlite3")).list_runs()] == [second.slug, first.slug]
+
+    shutil.rmtree(folder)
+    folder.mkdir()  # the folder is back, empty: a write recreates the file
+    third = _record_simple(db, "third")
+    assert [run.slug for run in db.list_runs()] == [third.slug]
 
 
 def test_locked_database(db: Database, db_path: Path) -> None:
@@ -494,7 +611,9 @@ def test_locked_database(db: Database, db_path: Path) -> None:
         with pytest.raises(StorageError, match="locked") as caught:
             _record_simple(impatient, "blocked")
         assert time.monotonic() - started < 5
-        assert str(db_path) in str(caught.value)
+        assert str(db_path) in str(caught.value)  # the details, for the server log...
+        assert caught.value.reason == "the database is locked by another writer"  # ...and what visitors see
+        assert caught.value.transient
         # WAL keeps the history readable while a writer holds the lock.
         assert [run.prompt for run in impatient.list_runs()] == ["prompt before lock"]
     finally:
@@ -509,8 +628,9 @@ def test_corrupt_file(db_path: Path) -> None:
     db = Database(_url(db_path))
     with pytest.raises(StorageError, match="not a database"):
         db.init()
-    with pytest.raises(StorageError, match="not a database"):
+    with pytest.raises(StorageError, match="not a database") as caught:
         db.list_runs()
+    assert caught.value.reason == "the database file is damaged" and str(db_path) not in caught.value.reason
 
 
 def test_password_is_masked_in_errors() -> None:
