@@ -87,6 +87,12 @@ class KittyLayer(CacheLayerMixin):
         self.value_table = PageTable(bsz, self.device)
         self.to_device = DeviceIndices(self.device)
         self.workspace = DecodeWorkspace()
+        # Query-aware selection: per sequence, KV head and channel, the sum of q_c^2 over the queries seen so far,
+        # and its value when the sequence's newest key buffer filled (its page is chosen with that one)
+        self.query_aware = cfg.selection == "query" and 0 < self.n_boost < dim
+        if self.query_aware:
+            self.q_energy = torch.zeros((bsz, heads, dim), dtype=torch.float64, device=self.device)
+            self.q_energy_at_fill = torch.zeros_like(self.q_energy)
         if self.reserve_tokens:
             pages = bsz * -(-max(0, self.reserve_tokens - s) // g)
             if cfg.k_bits < 16:
@@ -138,6 +144,8 @@ class KittyLayer(CacheLayerMixin):
         self.key_table.select(index)
         self.value_table.select(index)
         self.batch = len(self.lengths)
+        if self.query_aware:
+            self.q_energy, self.q_energy_at_fill = self.q_energy[dev], self.q_energy_at_fill[dev]
 
     # ------------------------------------------------------------------------------------------ attention
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs) -> torch.Tensor:
@@ -146,16 +154,38 @@ class KittyLayer(CacheLayerMixin):
             key, value = (t.to(self.store_dtype).to(t.dtype) for t in (key, value))
         if not self.lengths.any():                                  # prefill: FP16 attention over the prompt
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-            self._append(key, value, prompt_lengths(attention_mask, key.shape[2], key.shape[0]))
+            counts = prompt_lengths(attention_mask, key.shape[2], key.shape[0])
+            self._append(key, value, counts, self._observe_queries(query, counts))
             return out
         if query.shape[2] == 1:                                     # decode: insert, attend, quantize
             self._insert_one(key[:, :, 0], value[:, :, 0])
+            self._observe_queries(query, np.ones(self.batch, dtype=np.int64))
             out = self._decode(module, query, scaling, **kwargs)
             self._quantize_full_buffers()
             return out
         out = self._attend_chunk(query, key, value, scaling)        # a further chunk of prompt on a filled cache
-        self._append(key, value, np.full(self.batch, key.shape[2]))
+        counts = np.full(self.batch, key.shape[2])
+        self._append(key, value, counts, self._observe_queries(query, counts))
         return out
+
+    def _observe_queries(self, query: torch.Tensor, counts) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Query-aware selection: add the new tokens' q_c^2 (summed over each KV head's query heads, post-RoPE;
+        the last counts[b] of the chunk are real, the rest padding) to each sequence's running sum. Returns the
+        sums before the chunk (B, H, D) and the chunk's running sums (B, H, n, D): a page whose last token is chunk
+        position i is chosen with before + running[:, :, i], the queries of its own and earlier tokens only, so a
+        page's choice never depends on later queries. None for other selections."""
+        if not self.query_aware:
+            return None
+        b, hq, n, d = query.shape
+        energy = query.float().square().reshape(b, self.heads, hq // self.heads, n, d).sum(2)
+        pad = n - np.asarray(counts)
+        if pad.any():
+            real = torch.arange(n, device=self.device)[None, :] >= torch.as_tensor(pad, device=self.device)[:, None]
+            energy = energy * real[:, None, :, None]
+        running = energy.cumsum(2)
+        before = self.q_energy
+        self.q_energy = before + running[:, :, -1]
+        return before, running
 
     def paged(self) -> PagedKV:
         kp, vp = self.key_pool.tensors, self.value_pool.tensors
@@ -248,12 +278,13 @@ class KittyLayer(CacheLayerMixin):
                 bigger[:, :, :buf.shape[2]] = buf
                 setattr(self, name, bigger)
 
-    def _append(self, key: torch.Tensor, value: torch.Tensor, counts) -> None:
-        """Append the last counts[b] tokens of key/value (B, H, n, D) to each sequence, quantizing full buffers."""
+    def _append(self, key: torch.Tensor, value: torch.Tensor, counts, queries=None) -> None:
+        """Append the last counts[b] tokens of key/value (B, H, n, D) to each sequence, quantizing full buffers;
+        `queries`: what _observe_queries returned for this chunk."""
         cfg = self.config
-        s = cfg.sink
+        s, g = cfg.sink, cfg.page_size
         self._grow_fp(int((self.lengths + np.asarray(counts)).max()))
-        key_pages, value_pages = [], []                              # (sequence, (H, G, D) tokens)
+        key_pages, value_pages, key_ends = [], [], []               # (sequence, (H, G, D) tokens); chunk positions
         for b, count in enumerate(int(c) for c in counts):
             k, v = key[b, :, key.shape[2] - count:], value[b, :, value.shape[2] - count:]
             length = int(self.lengths[b])
@@ -262,15 +293,25 @@ class KittyLayer(CacheLayerMixin):
             self.v_fp[b, :, length:length + take] = v[:, :take]
             length += take
             if take < count:
-                key_pages += self._extend_buffer(self.k_fp, b, length, self.key_table.counts[b], k[:, take:],
-                                                 keep=0, bits=cfg.k_bits)
+                new_pages = self._extend_buffer(self.k_fp, b, length, self.key_table.counts[b], k[:, take:],
+                                                keep=0, bits=cfg.k_bits)
+                # chunk position of each new page's last token (sequence position s + (page + 1) * G - 1)
+                first = key.shape[2] - count - int(self.lengths[b]) + s + int(self.key_table.counts[b]) * g
+                key_ends += [first + (p + 1) * g - 1 for p in range(len(new_pages))]
+                key_pages += new_pages
                 value_pages += self._extend_buffer(self.v_fp, b, length, self.value_table.counts[b], v[:, take:],
                                                    keep=cfg.local_window, bits=cfg.v_bits)
             self.lengths[b] += count
         self.seq_len.copy_(torch.from_numpy(self.lengths))
         rows = lambda pages: np.array([b for b, _ in pages], dtype=np.int64)
         stack = lambda pages: torch.stack([t for _, t in pages]) if pages else None
-        self._store_pages(rows(key_pages), rows(value_pages), lambda _: stack(key_pages), lambda _: stack(value_pages))
+        energy = None
+        if queries is not None:
+            before, running = queries
+            ends = torch.as_tensor(key_ends, dtype=torch.long, device=self.device)
+            energy = lambda rows_d: before[rows_d] + running[rows_d, :, ends]
+        self._store_pages(rows(key_pages), rows(value_pages), lambda _: stack(key_pages), lambda _: stack(value_pages),
+                          energy)
 
     def _extend_buffer(self, buf, b, length, pages, tokens, keep, bits) -> list[tuple[int, torch.Tensor]]:
         """Put `tokens` after sequence b's buffer content; cut every G tokens beyond `keep` off as pages."""
@@ -292,10 +333,19 @@ class KittyLayer(CacheLayerMixin):
         none = np.zeros(0, dtype=np.int64)
         key_rows = self._due(after_sink - self.key_table.counts * g, g) if cfg.k_bits < 16 else none
         value_rows = self._due(after_sink - self.value_table.counts * g, r + g) if cfg.v_bits < 16 else none
+        energy = None
+        if self.query_aware:
+            # a key buffer that filled this step: its page is chosen with the queries up to its last token, also
+            # when flush_spread makes it wait for its turn (the same pages as without waiting)
+            filled = np.flatnonzero(after_sink - self.key_table.counts * g == g)
+            if len(filled):
+                rows_d = self.to_device(filled)[0]
+                self.q_energy_at_fill[rows_d] = self.q_energy[rows_d]
+            energy = lambda rows_d: self.q_energy_at_fill[rows_d]
         if not len(key_rows) and not len(value_rows):
             return
         k_index, v_index = self._store_pages(key_rows, value_rows, lambda rows: self.k_fp[rows, :, s:s + g],
-                                             lambda rows: self.v_fp[rows, :, s:s + g])
+                                             lambda rows: self.v_fp[rows, :, s:s + g], energy)
         # what stays full precision moves down by G: tokens that waited (keys), the window and waiters (values)
         wait = self.flush_spread - 1
         if len(key_rows) and wait:
@@ -316,12 +366,13 @@ class KittyLayer(CacheLayerMixin):
         waiting = ready[~must][np.argsort(-buffered[ready[~must]], kind="stable")]
         return np.sort(np.concatenate([ready[must], waiting[:max(0, quota - int(must.sum()))]]))
 
-    def _store_pages(self, key_rows: np.ndarray, value_rows: np.ndarray, key_pages,
-                     value_pages) -> tuple[torch.Tensor, torch.Tensor]:
+    def _store_pages(self, key_rows: np.ndarray, value_rows: np.ndarray, key_pages, value_pages,
+                     key_energy=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize one page for each of key_rows (sequences, in order) and value_rows: key_pages(rows) and
-        value_pages(rows) give their (N, H, G, D) tokens for device row indices. One batched launch per kind, and
-        every index the GPU needs goes over in one asynchronous copy. Returns the key and value rows on the
-        device."""
+        value_pages(rows) give their (N, H, G, D) tokens for device row indices, key_energy(rows) the queries'
+        q_c^2 sums (N, H, D) that query-aware selection weighs the key pages' channels with. One batched launch
+        per kind, and every index the GPU needs goes over in one asynchronous copy. Returns the key and value rows
+        on the device."""
         cfg = self.config
         use_triton = self._triton()
         key_ids = self.key_pool.allocate(len(key_rows)) if len(key_rows) else []
@@ -331,7 +382,7 @@ class KittyLayer(CacheLayerMixin):
                                                                      value_ids, value_cols)
         if len(key_rows):
             key_x = key_pages(k_rows)
-            ch, magnitude = quantize.choose_boost(key_x, self.n_boost, cfg.selection, self._generator())
+            ch, magnitude = self._choose_boost(key_x, key_rows, key_cols, key_energy(k_rows) if key_energy else None)
             quant = quantize.quantize_keys if use_triton else quantize.quantize_keys_ref
             low, high, scale, zero = quant(key_x, ch, self.n_boost)
             fields = dict(low=low, high=high, ch=ch, scale=scale, zero=zero)
@@ -345,6 +396,14 @@ class KittyLayer(CacheLayerMixin):
             self.value_pool.write(v_ids, low=low, high=high, scale=scale, zero=zero)
             self.value_table.append(value_rows, v_rows, v_cols, v_ids)
         return k_rows, v_rows
+
+    def _choose_boost(self, key_x: torch.Tensor, rows: np.ndarray, cols: np.ndarray,
+                      energy: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Boosted channels (N, H, NB) and magnitudes (N, H, D) of new key pages `key_x`, page cols[i] of sequence
+        rows[i]; `energy`: the queries' q_c^2 sums for query-aware selection. One method, so that a study can try
+        another policy in a subclass (backend.insights: a mask frozen after the first page)."""
+        return quantize.choose_boost(key_x, self.n_boost, self.config.selection, self._generator(), energy,
+                                     self._triton())
 
     def _generator(self) -> torch.Generator | None:
         """Random channel selection draws from a per-layer generator seeded by the config: reproducible runs."""

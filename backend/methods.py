@@ -1,7 +1,8 @@
 """Cache methods: one config type and the named presets users type.
 
 Every method is the same machinery with other settings (ARCHITECTURE.md): FP16 is "16 bits everywhere",
-KIVI is Kitty with no boost, Kitty / Kitty-Pro boost the top alpha of key channels of each page to 4 bits.
+KIVI is Kitty with no boost, Kitty / Kitty-Pro boost the top alpha of key channels of each page to 4 bits, and
+Kitty-Q / Kitty-Pro-Q choose those channels query-aware instead of by magnitude.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 SUPPORTED_BITS = (2, 4, 16)
-SELECTIONS = ("magnitude", "random")
+SELECTIONS = ("magnitude", "random", "query")
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,8 @@ class CacheConfig:
     page_size: G, tokens per quantized page; also the key Q-buffer size.
     local_window: R, most recent value tokens kept full precision.
     alpha: fraction of key channels boosted from 2 to 4 bits in every key page (ceil(alpha * head_dim)).
-    selection: how boosted channels are chosen: "magnitude" (mean |k| over the page) or "random".
+    selection: how boosted channels are chosen: "magnitude" (mean |k| over the page), "random", or "query"
+        (query-aware: the mean q_c^2 of the queries seen so far times the channel's 2-bit error on the page).
     seed: seeds the random channel selection, so runs are reproducible.
     """
 
@@ -82,6 +84,10 @@ PRESETS: dict[str, CacheConfig] = {
     "kivi-k4v4": CacheConfig("kivi-k4v4", k_bits=4, v_bits=4, sink=0),
     "kitty": CacheConfig("kitty", k_bits=2, v_bits=2, sink=32, alpha=0.125),
     "kitty-pro": CacheConfig("kitty-pro", k_bits=2, v_bits=2, sink=32, alpha=0.25),
+    # Beyond the paper: the same budgets with query-aware channels (BENCHMARKS.md section 5: on the default model
+    # kitty-q reaches kitty-pro's perplexity with kitty's memory)
+    "kitty-q": CacheConfig("kitty-q", k_bits=2, v_bits=2, sink=32, alpha=0.125, selection="query"),
+    "kitty-pro-q": CacheConfig("kitty-pro-q", k_bits=2, v_bits=2, sink=32, alpha=0.25, selection="query"),
 }
 METHODS: tuple[str, ...] = tuple(PRESETS)
 

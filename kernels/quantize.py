@@ -5,6 +5,9 @@ Both sides share one rounding recipe so the Triton kernels equal their reference
     code  = clamp(floor((x - zero) / scale + 0.5), 0, levels)   (scale 0 -> code 0: a constant channel)
 with levels = 3 (2 bits) or 15 (4 bits). Inputs are (N, H, G, D): N pages of G tokens, H KV heads. The packed
 layout (token quarters for keys, channel quarters for values) is described in layout.py.
+
+The query-aware boost choice needs each channel's 2-bit quantization error on the page: `channel_error` (Triton)
+and `channel_error_ref` compute it with the same recipe, dequantized as the cache reads it (code * scale + zero).
 """
 from __future__ import annotations
 
@@ -17,9 +20,16 @@ from .layout import SCALE_DTYPE, boost_mask, pack_quarters
 
 # ---------------------------------------------------------------------------------------------- boost choice
 def choose_boost(x: torch.Tensor, n_boost: int, selection: str = "magnitude",
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the boosted channels of each (page, head): the top n_boost by mean |k| over the page (Eq. 2),
-    or n_boost random ones. Returns (ch (N, H, NB) uint8: the boosted channels ascending, magnitudes (N, H, D))."""
+                 generator: torch.Generator | None = None, query_energy: torch.Tensor | None = None,
+                 use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the boosted channels of each (page, head): the top n_boost by
+      "magnitude": mean |k| over the page (the paper's Eq. 2);
+      "random":    a random draw from `generator`;
+      "query":     query_energy x the channel's 2-bit quantization error on the page (mean squared), i.e. the
+                   expected squared error that storing the channel at 2 bits adds to the scores q . k, with
+                   query_energy (N, H, D) the queries' mean q_c^2 (any positive multiple per page ranks the same);
+                   the error comes from the Triton kernel if use_triton, else from its reference.
+    Returns (ch (N, H, NB) uint8: the boosted channels ascending, magnitudes (N, H, D): mean |k|)."""
     n, h, _, d = x.shape
     # L1 norm accumulated in float32, without writing float copies of the pages (as .float().abs() did)
     magnitudes = torch.linalg.vector_norm(x, ord=1, dim=2, dtype=torch.float32) / x.shape[2]
@@ -29,9 +39,16 @@ def choose_boost(x: torch.Tensor, n_boost: int, selection: str = "magnitude",
         return torch.empty((n, h, 0), dtype=torch.uint8, device=x.device), magnitudes
     if selection == "magnitude":
         score = magnitudes
-    else:
+    elif selection == "query":
+        if query_energy is None:
+            raise ValueError("selection='query' needs the queries' mean squared value per channel (query_energy)")
+        error = channel_error(x) if use_triton else channel_error_ref(x)
+        score = query_energy.to(error.device, torch.float64) * error
+    elif selection == "random":
         score = torch.rand((n, h, d), generator=generator, device=generator.device if generator else "cpu")
         score = score.to(x.device)
+    else:
+        raise ValueError(f"unknown channel selection {selection!r}: magnitude, random or query")
     return score.topk(n_boost, dim=-1).indices.sort(dim=-1).values.to(torch.uint8), magnitudes
 
 
@@ -54,6 +71,15 @@ def quantize_keys_ref(x: torch.Tensor, ch: torch.Tensor, n_boost: int):
     low = pack_quarters(code & 3, dim=2)
     high = pack_quarters(code.gather(3, ch.long().unsqueeze(2).expand(-1, -1, x.shape[2], -1)) >> 2, dim=2)
     return low, high, scale, zero
+
+
+def channel_error_ref(x: torch.Tensor) -> torch.Tensor:
+    """x (N, H, G, D) -> (N, H, D) float32: per channel, the mean over the page's tokens of (k - k^)^2, k^ the
+    channel stored at 2 bits and read back (code * scale + zero, in float32)."""
+    x32 = x.float()
+    code, scale, zero = _codes(x32, 2, torch.tensor(3.0, device=x.device))
+    restored = code.float() * scale.float().unsqueeze(2) + zero.float().unsqueeze(2)
+    return (x32 - restored).square().mean(2)
 
 
 def quantize_values_ref(x: torch.Tensor, bits: int):
@@ -181,6 +207,31 @@ def _quantize_values_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
     tl.store(zero_ptr + pid * G + t, zero, mask=tmask)
 
 
+@triton.jit
+def _squared_error(src, code, scale, zero, mask):
+    """(x - k^)^2 of a tile at `src`, k^ = code * scale + zero (scale / zero already float32, broadcast); 0 where
+    masked."""
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    err = x - (code.to(tl.float32) * scale + zero)
+    return tl.where(mask, err * err, 0.0)
+
+
+@triton.jit
+def _channel_error_kernel(x_ptr, err_ptr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_G4: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)                              # one (page, head)
+    G4: tl.constexpr = G // 4
+    j = tl.arange(0, BLOCK_G4)
+    d = tl.arange(0, BLOCK_D)
+    mask = (j < G4)[:, None] & (d < D)[None, :]
+    src = x_ptr + pid * G * D + j[:, None] * D + d[None, :]          # (token, channel) tile; + i*G4*D: quarter i
+    c0, c1, c2, c3, scale, zero = _key_quarter_codes(src, mask, G4, D, tl.full((BLOCK_D,), 3.0, tl.float32))
+    s, z = scale.to(tl.float32)[None, :], zero.to(tl.float32)[None, :]
+    total = (_squared_error(src, c0, s, z, mask) + _squared_error(src + G4 * D, c1, s, z, mask) +
+             _squared_error(src + 2 * G4 * D, c2, s, z, mask) + _squared_error(src + 3 * G4 * D, c3, s, z, mask))
+    tl.store(err_ptr + pid * D + d, tl.sum(total, axis=0) / G, mask=d < D)
+
+
 def quantize_keys(x: torch.Tensor, ch: torch.Tensor, n_boost: int):
     """Triton launch of quantize_keys_ref (same arguments, same results bit for bit)."""
     n, h, g, d = x.shape
@@ -209,3 +260,14 @@ def quantize_values(x: torch.Tensor, bits: int):
                                           BLOCK_G=triton.next_power_of_2(g),
                                           BLOCK_D4=triton.next_power_of_2(d // 4), num_warps=4)
     return low, high, scale, zero
+
+
+def channel_error(x: torch.Tensor) -> torch.Tensor:
+    """Triton launch of channel_error_ref (same argument; equal up to float32 summation order)."""
+    n, h, g, d = x.shape
+    x = x.contiguous()
+    err = torch.empty((n, h, d), dtype=torch.float32, device=x.device)
+    if n * h:
+        _channel_error_kernel[(n * h,)](x, err, G=g, D=d, BLOCK_D=triton.next_power_of_2(d),
+                                        BLOCK_G4=triton.next_power_of_2(g // 4), num_warps=4)
+    return err

@@ -6,6 +6,8 @@ the sink, which tokens became which page, what stays in the buffers) rather than
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from backend import make_cache, memory, method_config
 from backend.cache import KittyLayer
 from backend.pages import DeviceIndices
 from kernels.dequantize import dequantize_keys_ref
+from kernels.layout import boost_mask
 from kernels.quantize import choose_boost, quantize_keys_ref, quantize_values_ref
 
 
@@ -381,3 +384,100 @@ def test_a_further_prompt_chunk_attends_over_the_whole_cache(method, use_triton)
         causal = torch.ones(n, lengths[b] + n, dtype=torch.bool, device=DEVICE).tril(int(lengths[b]))
         want = torch.nn.functional.scaled_dot_product_attention(q[b], keys, values, attn_mask=causal, scale=0.125)
         torch.testing.assert_close(out[b].transpose(0, 1), want, atol=2e-5, rtol=2e-5)
+
+
+class _Attention:
+    """What sdpa_attention_forward reads from an attention module."""
+    is_causal = True
+
+    def __init__(self, groups: int):
+        self.num_key_value_groups = groups
+
+
+def _attend(layer: KittyLayer, q, k, v, mask=None):
+    """One attention call of `layer` on given (post-RoPE) queries, keys and values, as the model would make it."""
+    tagged, v = layer.update(k, v)
+    return layer.attend(_Attention(q.shape[1] // k.shape[1]), q, tagged, v, mask, k.shape[-1] ** -0.5)
+
+
+def _query_prompt(batch=1, heads=2, group=2, length=8 + 3 * 32 + 5, dim=64, seed=5):
+    """Queries, keys, values of a prompt whose queries from the third page on read channel 11 a hundred times
+    more strongly: only choices that see those queries favour channel 11."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(batch, heads, length, dim, generator=gen).half().float() for _ in range(2))
+    q = torch.randn(batch, heads * group, length, dim, generator=gen)
+    q[:, :, 8 + 2 * 32:, 11] *= 100
+    return q, k, v
+
+
+def _pages(layer: KittyLayer, b: int = 0) -> torch.Tensor:
+    return layer.key_pool.tensors["ch"][layer.key_table.pages_of(b)]
+
+
+def test_query_aware_pages_use_only_the_queries_already_seen():
+    """Each page of a prompt is chosen with the queries of its own and earlier tokens: later queries cannot change
+    it (a decode run would not have seen them yet). The strong late queries move the choice once seen, so the test
+    would catch an estimate that looked ahead."""
+    cfg = method_config("kitty", selection="query", sink=8, page_size=32, local_window=32)
+    q, k, v = _query_prompt()
+    layer = KittyLayer(cfg)
+    _attend(layer, q, k, v)
+    chosen = _pages(layer)
+    assert chosen.shape == (3, 2, 8)
+    group_energy = lambda end: q[0, :, :end].square().sum(1).reshape(2, 2, 64).sum(1).double()  # noqa: E731
+    for p in range(3):
+        end = 8 + (p + 1) * 32
+        page = k[:, :, end - 32:end]
+        assert torch.equal(chosen[p], choose_boost(page, 8, "query", query_energy=group_energy(end)[None])[0][0])
+        if p < 2:                                   # with the later, loud queries the choice would differ
+            looked_ahead = choose_boost(page, 8, "query", query_energy=group_energy(q.shape[2])[None])[0][0]
+            assert not torch.equal(chosen[p], looked_ahead)
+    assert boost_mask(chosen[2], 64)[:, 11].all() and not boost_mask(chosen[:2], 64)[..., 11].all()
+
+
+@pytest.mark.parametrize("flush_spread", [1, 3])
+def test_query_aware_pages_are_the_same_token_by_token_batched_and_left_padded(flush_spread):
+    """The same pages whether the prompt comes at once or one token at a time, in a batch of three whose buffers
+    fill together and are quantized over several steps (flush_spread = 3: a waiting page still uses the queries up
+    to its last token), or left-padded beside a longer prompt (padding adds no query)."""
+    cfg = method_config("kitty", selection="query", sink=8, page_size=32, local_window=32)
+    q, k, v = _query_prompt(batch=3)
+    alone = []
+    for b in range(3):
+        layer = KittyLayer(cfg)
+        _attend(layer, q[b:b + 1], k[b:b + 1], v[b:b + 1])
+        alone.append(_pages(layer))
+    stepped = KittyLayer(cfg, flush_spread=flush_spread)
+    _attend(stepped, q[:, :, :8], k[:, :, :8], v[:, :, :8])
+    for t in range(8, q.shape[2]):
+        _attend(stepped, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+    for b in range(3):
+        assert torch.equal(_pages(stepped, b), alone[b])
+    # sequence 1 shortened by 20 tokens and left-padded beside sequence 0
+    n = q.shape[2]
+    q2, k2, v2 = (torch.cat([t[:1], torch.cat([torch.zeros_like(t[1:2, :, :20]), t[1:2, :, :n - 20]], 2)])
+                  for t in (q, k, v))
+    real = torch.ones(2, n, dtype=torch.bool)
+    real[1, :20] = False
+    mask = (torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :])[:, None]
+    padded = KittyLayer(cfg)
+    _attend(padded, q2, k2, v2, mask)
+    short = KittyLayer(cfg)
+    _attend(short, q[1:2, :, :n - 20], k[1:2, :, :n - 20], v[1:2, :, :n - 20])
+    assert torch.equal(_pages(padded, 0), alone[0]) and torch.equal(_pages(padded, 1), _pages(short))
+
+
+def test_query_aware_presets_generate_with_the_same_memory_as_kitty():
+    """kitty-q / kitty-pro-q are kitty / kitty-pro with query-aware channels: same bytes, other channels."""
+    model = tiny_model(heads=4, kv_heads=2, head_dim=64)
+    ids = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    for plain, aware in (("kitty", "kitty-q"), ("kitty-pro", "kitty-pro-q")):
+        assert method_config(aware).selection == "query"
+        assert dataclasses.replace(method_config(aware), name=plain, selection="magnitude") == method_config(plain)
+        caches = [make_cache(model, name) for name in (plain, aware)]
+        for cache in caches:
+            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=30,
+                           do_sample=False, pad_token_id=0)
+        stats = [cache.stats() for cache in caches]
+        assert stats[0].bytes_used == stats[1].bytes_used and stats[1].key_pages == 2          # a page per layer
+        assert not all(torch.equal(a, b) for a, b in zip(stats[0].layers[0].boost_masks, stats[1].layers[0].boost_masks))

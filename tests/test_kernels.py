@@ -21,8 +21,8 @@ from kernels.decode_attention import (DecodeWorkspace, decode_attention, decode_
                                       remaining_blocks, unpack_asm)
 from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
 from kernels.layout import boost_mask, pack_quarters, unpack_quarters
-from kernels.quantize import (choose_boost, quantize_keys, quantize_keys_ref, quantize_values,
-                              quantize_values_ref)
+from kernels.quantize import (channel_error, channel_error_ref, choose_boost, quantize_keys, quantize_keys_ref,
+                              quantize_values, quantize_values_ref)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -283,3 +283,36 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     refused = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert refused.returncode == 2 and "TRITON_INTERPRET=0" in refused.stderr
 
+
+
+@pytest.mark.parametrize("g,d", [(36, 64), (128, 64), (64, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_channel_error_kernel_matches_reference_and_the_stored_page(g, d, dtype):
+    """The per-channel 2-bit error the query-aware choice weighs: Triton = reference (up to float32 summation
+    order), and both equal the error of the page the cache stores at 2 bits, read back."""
+    x = random_keys(2, 2, g, d, dtype, seed=3 * g + d)
+    ref = channel_error_ref(x)
+    assert ref.shape == (2, 2, d) and ref.dtype == torch.float32
+    assert torch.allclose(channel_error(x), ref, rtol=1e-5, atol=1e-7 * ref.max().item())
+    none = torch.empty((2, 2, 0), dtype=torch.uint8, device=x.device)
+    low, high, scale, zero = quantize_keys_ref(x, none, 0)
+    stored = dequantize_keys_ref(low, high, none, scale, zero, torch.float32)
+    assert torch.allclose((stored - x.float()).square().mean(2), ref, rtol=1e-6, atol=1e-9)
+    assert (ref[..., 3] == 0).all()                                          # a constant channel is exact
+
+
+@pytest.mark.parametrize("g,d", [(36, 64), (64, 128)])
+@pytest.mark.parametrize("nb", [1, 8, 16, 32])
+def test_query_aware_choice_is_the_same_on_both_paths_and_follows_the_queries(g, d, nb):
+    x = random_keys(2, 3, g, d, torch.float16, seed=nb + d)
+    energy = torch.rand(2, 3, d, generator=torch.Generator().manual_seed(nb), dtype=torch.float64).to(DEVICE)
+    ch, _ = choose_boost(x, nb, "query", query_energy=energy)
+    assert ch.shape == (2, 3, nb) and ch.dtype == torch.uint8 and (ch[..., 1:] > ch[..., :-1]).all()
+    assert torch.equal(choose_boost(x, nb, "query", query_energy=energy, use_triton=True)[0], ch)
+    assert torch.equal(ch.long(), (energy * channel_error_ref(x)).topk(nb).indices.sort().values)
+    # queries that read only channel 9 make it a boosted channel in every page and head
+    focused = torch.full_like(energy, 1e-9)
+    focused[..., 9] = 1.0
+    assert boost_mask(choose_boost(x, nb, "query", query_energy=focused)[0], d)[..., 9].all()
+    with pytest.raises(ValueError, match="query_energy"):
+        choose_boost(x, nb, "query")

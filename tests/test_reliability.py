@@ -28,6 +28,7 @@ from app import compare_tab, history_tab
 from app.config import AppConfig
 from app.runlog import RunLog
 from app.services import ModelRegistry, Services
+from backend.engine import MAX_METHODS
 from storage import Database, StorageError
 
 from test_app_api import free_port, serve_app
@@ -88,7 +89,7 @@ def test_an_oversized_custom_request_is_refused_before_it_takes_memory(client):
     ("cat " * 30000, ["fp16"], {}, "this server takes at most 100,000"),
     ("Hi", ["fp16"], {"history": [{"role": "user", "content": "a"}] * 300}, "The conversation has 301 messages; "
                                                                             "this server takes at most 200"),
-    ("Hi", ["fp16"] * 10, {}, "Choose at most 9 methods per comparison"),
+    ("Hi", ["fp16"] * (MAX_METHODS + 1), {}, f"Choose at most {MAX_METHODS} methods per comparison"),
 ])
 def test_every_size_a_user_sets_is_bounded(client, prompt, methods, settings, limit):
     with pytest.raises(AppError, match=limit):
