@@ -63,15 +63,17 @@ def make_compare(services: Services):
         Args:
             prompt: the user's message.
             methods: method names: fp16, kivi-k2v2, kivi-k2v2*, kivi-k2v4*, kivi-k4v2*, kivi-k4v4, kitty, kitty-pro,
-                custom.
+                kitty-q, kitty-pro-q, custom.
             settings: a JSON object: max_new_tokens, sample (bool), temperature, top_p, top_k, seed; "custom":
                 {k_bits, v_bits, sink, page_size, local_window, alpha, selection, seed} for the custom method;
                 "history": earlier chat messages; "model": a model the operator allows.
         Returns:
             {"model", "run_slug", "permalink", "finished", "saved", "warning" (why the run is not saved yet),
             "results": {method: {"text", "token_ids", "status", "error", "tokens_per_s", "ttft_s", "kv_bytes",
-            "fp16_bytes", "kv_ratio", "key_bits", "value_bits", "peak_memory_bytes", "agreement", ...}}}; the
-            answers so far a few times a second, then the final one.
+            "fp16_bytes", "kv_ratio", "key_bits", "value_bits", "peak_memory_bytes", "agreement" (free-running
+            token match), "top1_agreement", "kl_from_fp16", "first_difference" (FP16's answer fed through the
+            method's cache, once every answer is complete; "score_status" says how that went), ...}}}; the answers
+            so far a few times a second, then the final one.
         """
         try:
             if not isinstance(prompt, str | None):

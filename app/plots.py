@@ -1,7 +1,10 @@
 """Plotly figures of the page, built from plain arrays so live runs, stored runs and the teaching suite share them.
 
 Large fonts and few colours, because a class may read them off a projector. Each method keeps one colour
-everywhere (pane header, lines, bars), so a line is easy to match with its answer.
+everywhere (pane header, lines, bars), so a line is easy to match with its answer. Every figure carries its own
+title (the page shows no second label): a short first line, details wrapped below it, so nothing is cut at half a
+laptop screen; legends sit right of the plot, clear of the axes. Backgrounds are transparent and the page's CSS
+(style.py) recolours text and grid lines in dark mode, so one figure serves both themes.
 """
 from __future__ import annotations
 
@@ -13,26 +16,52 @@ from plotly.subplots import make_subplots
 
 METHOD_COLORS = {
     "fp16": "#4C78A8", "kivi-k2v2": "#E45756", "kivi-k2v2*": "#FF9DA6", "kivi-k2v4*": "#B279A2",
-    "kivi-k4v2*": "#9D755D", "kivi-k4v4": "#72B7B2", "kitty": "#F58518", "kitty-pro": "#54A24B", "custom": "#7F7F7F",
+    "kivi-k4v2*": "#9D755D", "kivi-k4v4": "#72B7B2", "kitty": "#F58518", "kitty-pro": "#54A24B",
+    "kitty-q": "#EECA3B", "kitty-pro-q": "#2F8F6F", "custom": "#7F7F7F",
 }
 MAX_TOKEN_COLUMNS = 1024         # wider magnitude maps are averaged into this many token bins
-FONT = dict(size=15)
+FONT = dict(size=14, color="#2a3f5f")
+GRID = "rgba(128, 128, 128, 0.25)"       # reads on a light and a dark page alike
+TITLE_CHARS = 52                         # a title line that fits half of a 1440 px page at the title's size
+DETAIL_CHARS = 68                        # the same for the smaller detail lines
 
 
 def color(method: str) -> str:
     return METHOD_COLORS.get(method, "#7F7F7F")
 
 
-def _layout(fig: go.Figure, title: str, height: int = 340) -> go.Figure:
-    fig.update_layout(template="plotly_white", title=dict(text=title, font=dict(size=16)), font=FONT,
-                      height=height, margin=dict(l=60, r=20, t=60, b=50), legend=dict(orientation="h", y=-0.25))
+def _wrap(text: str, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return lines + [line] if line else lines
+
+
+def _layout(fig: go.Figure, title: str, height: int = 340, detail: str = "") -> go.Figure:
+    """The house style: the title on short lines (its details smaller), transparent backgrounds, the legend right
+    of the plot. Panels of a figure are named by their axis titles, not subplot titles, which would crowd it."""
+    lines, details = _wrap(title, TITLE_CHARS), _wrap(detail, DETAIL_CHARS)
+    fig.update_layout(template="plotly_white", font=FONT, height=height + 20 * (len(lines) + len(details) - 1),
+                      # at the top of the figure, in a top margin sized to hold its lines
+                      title=dict(text="<br>".join(lines), font=dict(size=16), x=0, xref="paper", xanchor="left",
+                                 y=1, yref="container", yanchor="top", pad=dict(t=10),
+                                 subtitle=dict(text="<br>".join(details), font=dict(size=12))),
+                      paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
+                      margin=dict(l=60, r=20, t=30 + 22 * len(lines) + 18 * len(details), b=50),
+                      legend=dict(x=1.02, xanchor="left", y=1, yanchor="top", bgcolor="rgba(0,0,0,0)"))
+    fig.update_xaxes(gridcolor=GRID, zerolinecolor=GRID, automargin=True)
+    fig.update_yaxes(gridcolor=GRID, zerolinecolor=GRID, automargin=True)
     return fig
 
 
 def empty_figure(title: str, message: str, height: int = 340) -> go.Figure:
     fig = go.Figure()
-    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
-                       font=dict(size=15, color="#666"))
+    fig.add_annotation(text="<br>".join(_wrap(message, DETAIL_CHARS)), showarrow=False, x=0.5, y=0.5, xref="paper",
+                       yref="paper", font=dict(size=15, color="#666"))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     return _layout(fig, title, height)
@@ -53,7 +82,7 @@ def boost_mask_figure(mask: np.ndarray | None, method: str, layer: int, head: in
     fig.update_xaxes(title="key page", dtick=1)
     fig.update_yaxes(title="channel")
     boosted = int(mask[-1].sum())
-    return _layout(fig, f"{title} · {boosted} of {mask.shape[1]} channels boosted per page")
+    return _layout(fig, title, detail=f"{boosted} of {mask.shape[1]} channels boosted per page (orange: 4 bits)")
 
 
 def magnitude_figure(magnitudes: np.ndarray | None, method: str, layer: int, head: int, *,
@@ -61,7 +90,7 @@ def magnitude_figure(magnitudes: np.ndarray | None, method: str, layer: int, hea
     """|K| per channel, across tokens (the paper's Figure 2a) or, for stored runs, per page (mean over its
     tokens). `magnitudes` is (tokens or pages, D); `boundaries` are token positions where a page starts."""
     what = "mean |K| per page" if per_page else "|K| per token"
-    title = f"Key magnitudes ({what}) · {method} · layer {layer} · KV head {head}"
+    title = f"Key magnitudes · {method} · layer {layer} · KV head {head}"
     if magnitudes is None or magnitudes.shape[0] == 0:
         return empty_figure(title, note or "No keys yet.")
     z = np.asarray(magnitudes, dtype=np.float32)
@@ -78,7 +107,7 @@ def magnitude_figure(magnitudes: np.ndarray | None, method: str, layer: int, hea
         fig.add_vline(x=position - 0.5, line=dict(color="#4fc3f7", width=1, dash="dot"))
     fig.update_xaxes(title="key page" if per_page else "token position", dtick=1 if per_page else None)
     fig.update_yaxes(title="channel")
-    return _layout(fig, title + (f" · {note}" if note else ""))
+    return _layout(fig, title, detail=what + (f" · {note}" if note else ""))
 
 
 def lines_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], title: str, x_title: str,
@@ -122,7 +151,7 @@ def kv_projection_figure(lines: Mapping[str, tuple[Sequence[int], Sequence[int]]
                                      hovertemplate=f"{method}: %{{y:.2f}} MB at %{{x:,}} tokens (measured)<extra></extra>"))
     fig.update_xaxes(title="context length (tokens, log scale)", type="log")
     fig.update_yaxes(title="MB (one sequence)", rangemode="tozero")
-    return _layout(fig, title + " · lines: projected from the layout, dots: measured")
+    return _layout(fig, title, detail="lines: projected from the layout · dots: measured while generating")
 
 
 def speed_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]) -> go.Figure:
@@ -132,18 +161,21 @@ def speed_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]]) 
 
 
 def suite_figure(records: Sequence[Mapping]) -> go.Figure:
-    """The teaching suite: KL from FP16, top-1 agreement and perplexity per method, as bars."""
+    """The teaching suite: KL from FP16, top-1 agreement and perplexity per method, as bars (one panel each)."""
     panels = [("KL vs FP16 (nats/token)", "KL from FP16 ↓"), ("top-1 agreement with FP16", "agreement with FP16 ↑"),
               ("perplexity", "perplexity ↓")]
-    fig = make_subplots(rows=1, cols=3, subplot_titles=[title for _, title in panels], horizontal_spacing=0.08)
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.1)
     methods = [r["method"] for r in records]
-    for col, (key, _) in enumerate(panels, start=1):
-        fig.add_trace(go.Bar(x=methods, y=[r[key] for r in records], marker_color=[color(m) for m in methods],
-                             showlegend=False, text=[f"{r[key]:.3g}" for r in records], textposition="outside",
+    for col, (key, name) in enumerate(panels, start=1):
+        values = [r[key] for r in records]
+        fig.add_trace(go.Bar(x=methods, y=values, marker_color=[color(m) for m in methods],
+                             showlegend=False, text=[f"{v:.3g}" for v in values], textposition="outside",
                              cliponaxis=False), row=1, col=col)
-    fig.update_yaxes(rangemode="tozero")
-    _layout(fig, "Why 2-bit collapses: quality of each cache on the same text", height=420)
-    fig.update_layout(margin=dict(t=90))
+        # headroom above the tallest bar for its label, below the panel's title
+        fig.update_yaxes(title_text=name, range=[0, 1.25 * max([v for v in values if v == v] or [1]) or 1],
+                         row=1, col=col)
+    _layout(fig, "Why 2-bit collapses", height=420, detail="quality of each cache on the same text, against FP16")
+    fig.update_xaxes(tickangle=-40)
     return fig
 
 
@@ -162,7 +194,8 @@ def sweep_figure(records: Sequence[Mapping]) -> go.Figure:
                       annotation_position="top")
     fig.update_xaxes(title="key channels boosted to 4 bits (%)")
     fig.update_yaxes(title="KL from FP16 (nats/token)", rangemode="tozero")
-    return _layout(fig, "Boost sweep: which channels you protect matters (paper Figure 4)", height=420)
+    return _layout(fig, "Boost sweep (paper Figure 4)", height=420,
+                   detail="which channels you protect matters: by magnitude or at random")
 
 
 def page_channels_figure(anatomy: Mapping) -> go.Figure:
@@ -175,32 +208,30 @@ def page_channels_figure(anatomy: Mapping) -> go.Figure:
     fig.update_xaxes(title="key channel")
     fig.update_yaxes(title="mean |k| over the page's tokens")
     first, last = anatomy["tokens"]
-    return _layout(fig, f"One real key page (layer {anatomy['layer']}, KV head {anatomy['head']}, tokens "
-                        f"{first}–{last - 1}): orange = the {len(boosted)} channels Kitty stores at 4 bits", height=360)
+    return _layout(fig, f"One real key page · layer {anatomy['layer']} · KV head {anatomy['head']}", height=360,
+                   detail=f"tokens {first}–{last - 1}; orange: the {len(boosted)} channels Kitty stores at 4 bits")
 
 
 def quantization_figure(anatomy: Mapping) -> go.Figure:
     """The page's loudest and quietest channel token by token: the values, and what 2-bit and 4-bit min/max
     quantization (4 and 16 levels between the channel's min and max) bring back."""
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=[
-        f"loud channel {anatomy['loud']['channel']} (mean |k| {anatomy['loud']['mean_abs']:.1f})",
-        f"quiet channel {anatomy['quiet']['channel']} (mean |k| {anatomy['quiet']['mean_abs']:.2f})"])
+    loud, quiet = anatomy["loud"], anatomy["quiet"]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12)
     first = anatomy["tokens"][0]
-    for col, name in ((1, "loud"), (2, "quiet")):
-        ch = anatomy[name]
+    for col, (name, ch) in enumerate((("loud", loud), ("quiet", quiet)), start=1):
         tokens = np.arange(first, first + len(ch["values"]))
-        for key, label, style in (("values", "keys (16-bit)", dict(color="#333", width=2)),
-                                  ("two_bit", f"2 bits (mean error {ch['error_two_bit']:.2f})",
-                                   dict(color="#E45756", width=2, shape="hv")),
-                                  ("four_bit", f"4 bits (mean error {ch['error_four_bit']:.2f})",
-                                   dict(color="#54A24B", width=2, shape="hv"))):
-            fig.add_trace(go.Scatter(x=tokens, y=ch[key], mode="lines", line=style, name=label,
-                                     legendgroup=f"{name}-{key}", showlegend=True), row=1, col=col)
-        fig.update_xaxes(title_text="token position", row=1, col=col)
+        for key, label, style in (("values", "keys (16-bit)", dict(color="#7f7f7f", width=2)),
+                                  ("two_bit", "2 bits", dict(color="#E45756", width=2, shape="hv")),
+                                  ("four_bit", "4 bits", dict(color="#54A24B", width=2, shape="hv"))):
+            fig.add_trace(go.Scatter(x=tokens, y=ch[key], mode="lines", line=style, name=label, legendgroup=key,
+                                     showlegend=col == 1), row=1, col=col)
+        fig.update_xaxes(title_text=f"token position<br>{name} channel {ch['channel']}: mean error "
+                                    f"{ch['error_two_bit']:.2f} (2 bits), {ch['error_four_bit']:.2f} (4 bits)",
+                         title_font_size=12, row=1, col=col)
     fig.update_yaxes(title_text="key value", row=1, col=1)
-    _layout(fig, "What min/max quantization does to one channel: 4 levels (2 bits) vs 16 (4 bits)", height=420)
-    fig.update_layout(margin=dict(t=90), legend=dict(orientation="h", y=-0.3))
-    return fig
+    return _layout(fig, "What min/max quantization does to one channel", height=440,
+                   detail=f"4 levels (2 bits) vs 16 (4 bits); mean |k|: loud {loud['mean_abs']:.1f}, quiet "
+                          f"{quiet['mean_abs']:.2f}")
 
 
 def passkey_figure(grid: Mapping) -> go.Figure:
@@ -213,4 +244,5 @@ def passkey_figure(grid: Mapping) -> go.Figure:
                                  hovertemplate=f"{method}: %{{y}} of {asked} keys at %{{x:,}} tokens<extra></extra>"))
     fig.update_xaxes(title="prompt length (tokens)", tickvals=lengths)
     fig.update_yaxes(title=f"keys found (of {asked})", range=[-0.3, asked + 0.3], dtick=1)
-    return _layout(fig, "Pass-key retrieval: a 5-digit key hidden in filler text, asked for at the end", height=420)
+    return _layout(fig, "Pass-key retrieval", height=420,
+                   detail="a 5-digit key hidden in filler text, asked for at the end")

@@ -36,6 +36,9 @@ SAVE_WAIT_S = 8.0                    # a finished comparison waits this long for
 HEARTBEAT_S = 30.0                   # this process's running runs say they still run this often...
 STALE_AFTER = timedelta(minutes=2)   # ...so one silent this long lost its server (on another host)
 SWEEP_S = 60.0                       # how often to look for runs whose server died
+# What a stored answer keeps of its scoring besides the score's columns: how it went, and the tokens to show
+SCORE_METRICS = ("score_status", "score_note", "scored_tokens", "first_difference_tokens", "diverges_at",
+                 "divergence_chars")
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,9 @@ class RunLog:
     def finish(self, run: RunEntry, snapshots: Mapping[str, MethodSnapshot], memory_label: str, *,
                cancelled: bool = False, wait_s: float = SAVE_WAIT_S) -> SaveOutcome:
         """Complete `run` with every method's answer, metrics and (Kitty methods) page stats, in one transaction;
-        its status says how it ended. Waits up to `wait_s` for the write."""
-        stopped = any(snap.status == "stopped" for snap in snapshots.values())
+        its status says how it ended (stopped: Stop cut an answer or its scoring short). Waits up to `wait_s` for
+        the write."""
+        stopped = any("stopped" in (snap.status, snap.score_status) for snap in snapshots.values())
         entry = replace(run, status=STATUS_CANCELLED if cancelled else STATUS_STOPPED if stopped else None,
                         results=[method_result(snap, memory_label) for snap in snapshots.values()],
                         finished_at=datetime.now(timezone.utc))
@@ -140,6 +144,10 @@ class RunLog:
             self.finish(run, comparison.snapshots(), comparison.memory_label, cancelled=True, wait_s=0)
             comparison.release()
         threading.Thread(target=complete, name=f"abandon-{run.slug}", daemon=True).start()
+
+    def vote(self, slug: str, choice: str, *, blind: bool, shown: Sequence[str]):
+        """Store a visitor's vote on a finished run (StorageError while the run is not in the database)."""
+        return self.database().add_vote(slug, choice, blind=blind, shown=shown)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the writer after a last attempt at what waits (a server shutting down)."""
@@ -247,6 +255,7 @@ def _timeline(snap: MethodSnapshot) -> list[list]:
 def method_result(snap: MethodSnapshot, memory_label: str) -> MethodResult:
     """A finished method as storage keeps it; page stats (all layers and KV heads of sequence 0) for methods with
     boosted channels."""
+    score, scored = snap.score, snap.score_status == "scored"
     stats = []
     if has_boost(snap.config):
         for layer, (masks, magnitudes) in enumerate(zip(snap.boost_masks, snap.page_magnitudes)):
@@ -261,8 +270,12 @@ def method_result(snap: MethodSnapshot, memory_label: str) -> MethodResult:
         n_tokens=snap.n_tokens, tokens_per_s=snap.tokens_per_s, ttft_s=snap.ttft_s, total_s=snap.elapsed_s,
         kv_bytes=snap.kv_bytes, fp16_bytes=snap.fp16_bytes, key_bits=snap.key_bits, value_bits=snap.value_bits,
         peak_memory_bytes=snap.peak_memory_bytes, agreement=snap.agreement, error=snap.error, page_stats=stats,
+        # FP16, the reference, has no score of its own: it would only add zeros to the leaderboard's means
+        top1_agreement=score.top1_agreement if scored else None, kl_from_fp16=score.kl if scored else None,
+        first_difference=score.first_difference if scored else None,
         metrics={"status": snap.status, "prompt_tokens": snap.prompt_tokens, "key_pages": snap.key_pages,
-                 "value_pages": snap.value_pages, "memory_label": memory_label, "timeline": _timeline(snap)})
+                 "value_pages": snap.value_pages, "memory_label": memory_label, "timeline": _timeline(snap),
+                 **{key: value for key, value in snap.metrics().items() if key in SCORE_METRICS}})
 
 
 def stored_boost(result: MethodResult) -> dict[int, tuple[np.ndarray, np.ndarray]]:

@@ -30,9 +30,11 @@ from transformers.generation.streamers import BaseStreamer
 from kernels.decode_attention import gather_kv
 
 from . import make_cache, memory
+from .analysis import mean_kl, teacher_forced_logprobs
 from .attention import use_kitty_attention
 from .cache import KittyLayer
 from .methods import METHODS, CacheConfig, method_config
+from .model import share_cpu
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +216,20 @@ class KeyMagnitudes:
 
 
 @dataclass(frozen=True)
+class ForcedScore:
+    """FP16's answer fed token by token through one method's cache (teacher forcing), right after the answers
+    finished: the same prompt and the same tokens for every method, so only the cache differs. Unlike matching two
+    free-running answers, one early difference does not spoil every later position."""
+
+    positions: int                  # FP16 answer tokens scored
+    top1_agreement: float           # share of positions where the method's top-1 token is FP16's
+    kl: float                       # mean KL(FP16 || method), nats per token
+    first_difference: int | None    # first position (0 = the answer's first token) whose top-1 differs; None: none
+    fp16_token: str | None = None   # FP16's top-1 token there...
+    method_token: str | None = None  # ...and the method's
+
+
+@dataclass(frozen=True)
 class MethodSnapshot:
     """One method's progress at one moment; a new object on every change, so readers never see a half update."""
 
@@ -238,12 +254,23 @@ class MethodSnapshot:
     boost_masks: tuple[torch.Tensor | None, ...] = ()       # per layer: (pages, H, D) bool of sequence 0
     page_magnitudes: tuple[torch.Tensor | None, ...] = ()   # per layer: (pages, H, D) mean |k| that chose them
     key_magnitudes: KeyMagnitudes | None = None              # the focused layer, refreshed every CAPTURE_EVERY
-    agreement: float | None = None  # share of tokens identical to the reference (fp16) answer
+    agreement: float | None = None  # free-running token match: share of positions identical to FP16's answer
+    diverges_at: int | None = None  # first token of this answer that differs from FP16's (free-running)
+    divergence_chars: tuple[int, int] | None = None         # that token's characters in `text`
     projection: tuple[tuple[int, int, int], ...] = ()       # (tokens, bytes used, FP16 bytes) at 8K / 32K / 128K
+    score_status: str = "none"      # pending | scoring | scored | reference | none | stopped | failed
+    score: ForcedScore | None = None
+    score_note: str | None = None   # why there is no score
 
     @property
     def finished(self) -> bool:
+        """Its answer is complete (or cut short, or failed); scoring may still run."""
         return self.status in ("done", "stopped", "error")
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will change: the answer finished and its scoring too."""
+        return self.finished and self.score_status not in ("pending", "scoring")
 
     @property
     def n_tokens(self) -> int:
@@ -268,19 +295,39 @@ class MethodSnapshot:
                 "kv_ratio": self.kv_ratio, "key_bits": self.key_bits, "value_bits": self.value_bits,
                 "bits_per_element": self.bits_per_element, "key_pages": self.key_pages,
                 "value_pages": self.value_pages, "peak_memory_bytes": self.peak_memory_bytes,
-                "agreement": self.agreement,
+                "agreement": self.agreement, "diverges_at": self.diverges_at,
+                "divergence_chars": None if self.divergence_chars is None else list(self.divergence_chars),
+                "score_status": self.score_status, "score_note": self.score_note,
+                "top1_agreement": None if self.score is None else self.score.top1_agreement,
+                "kl_from_fp16": None if self.score is None else self.score.kl,
+                "first_difference": None if self.score is None else self.score.first_difference,
+                "scored_tokens": None if self.score is None else self.score.positions,
+                "first_difference_tokens": None if self.score is None or self.score.first_difference is None
+                else [self.score.fp16_token, self.score.method_token],
                 "projected_kv_bytes": {str(tokens): used for tokens, used, _ in self.projection}}
 
 
 def token_agreement(reference: Sequence[int], other: Sequence[int], final: bool = True) -> float | None:
     """Share of positions where both answers have the same token. Final answers: over the longer one (a
-    shorter answer disagrees where it has no token). While streaming: over the tokens both have so far."""
+    shorter answer disagrees where it has no token). While streaming, or when either was stopped: over the tokens
+    both have (a stopped answer is cut short, not wrong)."""
     common = min(len(reference), len(other))
     longest = max(len(reference), len(other))
     denominator = longest if final else common
     if not denominator:
         return None
     return sum(a == b for a, b in zip(reference[:common], other[:common])) / denominator
+
+
+def first_divergence(reference: Sequence[int], other: Sequence[int], final: bool = True) -> int | None:
+    """The first position where `other` has a token that differs from `reference` (its own token there, or, when
+    final, the end of `other` if it stops before the reference); None while they agree."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    if final and len(other) > len(reference):
+        return len(reference)
+    return None
 
 
 def memory_probe() -> tuple[str, Callable[[], int]]:
@@ -395,20 +442,33 @@ class _Job:
     cache: object = None
 
 
+class _Stopped(Exception):
+    """Stop was pressed during a teacher-forced pass."""
+
+
 class Comparison:
-    """Several methods generating for the same conversation at the same time, one thread each."""
+    """Several methods generating for the same conversation at the same time, one thread each. When FP16 is one
+    of them, each thread then scores FP16's answer through its method's cache (teacher forcing): the passes start
+    once every answer is complete, so no pass slows down an answer still generating (tokens/s stays fair)."""
 
     def __init__(self, model, tokenizer, jobs: Sequence[_Job], settings: GenerationSettings):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.memory_label, self._memory = memory_probe()
         self._jobs = {job.label: job for job in jobs}
+        scored = REFERENCE in self._jobs and len(self._jobs) > 1
         self._snapshots = {job.label: MethodSnapshot(job.label, job.config, prompt_tokens=job.input_ids.shape[1],
-                                                     projection=memory.projection(job.config, model.config))
+                                                     projection=memory.projection(job.config, model.config),
+                                                     score_status="pending" if scored else "none",
+                                                     score_note=None if scored else "no FP16 answer to score against")
                            for job in jobs}
         self._lock = threading.Lock()
         self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._generated = threading.Event()             # every answer is complete: the scoring passes may start
+        self._reference_ready = threading.Event()       # FP16's teacher-forced log-probabilities are known...
+        self._reference: torch.Tensor | None = None     # ...(positions, vocab), or None (FP16 failed or stopped)
+        self._divergence_spans: dict[tuple[str, int], tuple[int, int] | None] = {}
         self._started = False
         self.released = False
         self.focus: tuple[str | None, int] = (None, 0)     # no live capture unless someone watches a layer
@@ -429,8 +489,13 @@ class Comparison:
         return self
 
     def stop(self) -> None:
-        """Ask every method to stop after its current step (their answers so far are kept)."""
+        """Ask every method to stop after its current step (their answers so far are kept), scoring included."""
         self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        """Stop was pressed (or the client went away) before everything settled."""
+        return self._stop.is_set()
 
     def join(self, timeout: float | None = None) -> None:
         for job in self._jobs.values():
@@ -439,7 +504,8 @@ class Comparison:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self._snapshots.values())
+        """Every answer is complete and scored (or will not be)."""
+        return all(s.settled for s in self._snapshots.values())
 
     def set_focus(self, label: str | None, layer: int) -> None:
         """Which method and layer the live key-magnitude capture follows (cheap to change at any time)."""
@@ -447,16 +513,31 @@ class Comparison:
 
     # -------------------------------------------------------------------- results
     def snapshots(self) -> dict[str, MethodSnapshot]:
-        """Every method's latest snapshot, with its agreement with the reference (fp16) answer."""
+        """Every method's latest snapshot, with its free-running match with the reference (fp16) answer and the
+        first token where it parts from it."""
         with self._lock:
             snaps = dict(self._snapshots)
         ref = snaps.get(REFERENCE)
         if ref is None or ref.status == "error":
             return snaps
         for label, snap in snaps.items():
-            final = ref.finished and snap.finished
-            snaps[label] = replace(snap, agreement=token_agreement(ref.token_ids, snap.token_ids, final))
+            final = ref.finished and snap.finished and "stopped" not in (ref.status, snap.status)
+            at = None if label == REFERENCE else first_divergence(ref.token_ids, snap.token_ids, final)
+            snaps[label] = replace(snap, agreement=token_agreement(ref.token_ids, snap.token_ids, final),
+                                   diverges_at=at, divergence_chars=None if at is None else
+                                   self._divergence_span(label, snap.token_ids, at))
         return snaps
+
+    def _divergence_span(self, label: str, token_ids: Sequence[int], at: int) -> tuple[int, int] | None:
+        """Characters of token `at` in the decoded answer (decoded once per method: a divergence never moves).
+        None where the tokens do not decode to whole characters on their own (half of a multi-byte character)."""
+        if (label, at) not in self._divergence_spans:
+            before = self.tokenizer.decode(token_ids[:at], skip_special_tokens=True)
+            through = self.tokenizer.decode(token_ids[:at + 1], skip_special_tokens=True)
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            whole = text.startswith(through) and through.startswith(before) and len(through) > len(before)
+            self._divergence_spans[(label, at)] = (len(before), len(through)) if whole else None
+        return self._divergence_spans[(label, at)]
 
     def updates(self, interval: float = 0.15) -> Iterator[dict[str, MethodSnapshot]]:
         """Snapshots of all methods whenever any of them progressed, at most one per `interval` seconds, ending
@@ -517,8 +598,21 @@ class Comparison:
         self._events.put(label)
 
     def _run(self, job: _Job) -> None:
+        share_cpu(len(self._jobs))                  # every method's thread runs at once: split the cores among them
+        try:
+            self._generate(job)
+        finally:
+            with self._lock:
+                generated = all(s.finished for s in self._snapshots.values())
+            if generated:
+                self._generated.set()
+        if self._snapshots[job.label].score_status == "pending":
+            self._score(job)
+            if self.finished:
+                self._reference = None          # (positions, vocab) floats: no longer needed once all compared
+
+    def _generate(self, job: _Job) -> None:
         start = time.perf_counter()
-        recorder = None
         try:
             self._publish(job.label, status="running")
             job.cache = make_cache(self.model, job.config)
@@ -543,6 +637,74 @@ class Comparison:
             log.exception("method %s failed", job.label)
             message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
             self._publish(job.label, status="error", error=message, elapsed_s=time.perf_counter() - start)
+
+    # -------------------------------------------------------------------- teacher-forced scoring
+    def _until(self, event: threading.Event) -> bool:
+        """Wait for `event`; False if Stop comes first."""
+        while not event.wait(0.1):
+            if self._stop.is_set():
+                return False
+        return not self._stop.is_set()
+
+    def _score(self, job: _Job) -> None:
+        """Feed FP16's answer through a fresh cache of this method; FP16's own pass is the reference."""
+        label, is_reference = job.label, job.label == REFERENCE
+        if not self._until(self._generated):
+            return self._unscored(label, "stopped", "Stop was pressed before scoring")
+        reference, own = self._snapshots[REFERENCE], self._snapshots[label]
+        why = ("this method failed" if own.status == "error" else
+               "FP16 failed, so there is nothing to score against" if reference.status == "error" else
+               "FP16 wrote no tokens" if not reference.token_ids else None)
+        if why:
+            return self._unscored(label, "none", why)
+        self._publish(label, score_status="scoring", score_note="scoring FP16's answer through this cache")
+        prompt = self._jobs[REFERENCE].input_ids
+        ids = torch.cat([prompt, torch.tensor([reference.token_ids], dtype=prompt.dtype)], dim=1)
+
+        def check_stop(step: int, steps: int) -> None:
+            if self._stop.is_set():
+                raise _Stopped
+            if step % 8 == 0:
+                self._publish(label, score_note=f"scoring: {step} of {steps} tokens")
+        try:
+            logprobs = teacher_forced_logprobs(self.model, ids, make_cache(self.model, job.config),
+                                               prefix=prompt.shape[1], progress=check_stop)
+        except _Stopped:
+            logprobs = None
+        except Exception as exc:                            # e.g. out of memory: the answer stands, unscored
+            log.exception("scoring %s failed", label)
+            logprobs = None
+            self._unscored(label, "failed", f"scoring failed ({type(exc).__name__}: {exc})")
+        if is_reference:
+            self._reference = logprobs
+            self._reference_ready.set()
+            if logprobs is not None:
+                self._publish(label, score_status="reference", score_note=None,
+                              score=ForcedScore(logprobs.shape[0], 1.0, 0.0, None))
+        if logprobs is None or is_reference:
+            if self._stop.is_set():
+                self._unscored(label, "stopped", "Stop was pressed while scoring")
+            return None
+        if not self._until(self._reference_ready) or self._reference is None:
+            return self._unscored(label, "stopped" if self._stop.is_set() else "failed",
+                                  "Stop was pressed while scoring" if self._stop.is_set() else
+                                  "FP16's own pass failed")
+        self._publish(label, score_status="scored", score_note=None, score=self._compare(self._reference, logprobs))
+        return None
+
+    def _compare(self, reference: torch.Tensor, logprobs: torch.Tensor) -> ForcedScore:
+        top_reference, top = reference.argmax(-1), logprobs.argmax(-1)
+        differs = (top_reference != top).nonzero()
+        first = int(differs[0]) if len(differs) else None
+        decode = self.tokenizer.decode
+        return ForcedScore(positions=reference.shape[0], top1_agreement=(top_reference == top).float().mean().item(),
+                           kl=max(0.0, mean_kl(reference, logprobs)),      # exact zero, never -1e-9
+                           first_difference=first,
+                           fp16_token=None if first is None else decode([int(top_reference[first])]),
+                           method_token=None if first is None else decode([int(top[first])]))
+
+    def _unscored(self, label: str, status: str, why: str) -> None:
+        self._publish(label, score_status=status, score_note=why, score=None)
 
 
 def prepare_comparison(model, tokenizer, conversations: Sequence[Mapping] | Mapping[str, Sequence[Mapping]],
@@ -580,5 +742,6 @@ def prepare_comparison(model, tokenizer, conversations: Sequence[Mapping] | Mapp
 
 __all__ = ["Comparison", "GenerationSettings", "InputError", "KeyMagnitudes", "Limits", "MethodSnapshot",
            "TimelinePoint", "DEFAULT_MAX_NEW_TOKENS_CAP", "MAX_METHODS", "MAX_SEED", "REFERENCE", "CUSTOM",
-           "describe_config", "has_boost", "prepare_comparison", "resolve_methods", "token_agreement", "layer_key_magnitudes", "encode_chat", "model_context",
+           "describe_config", "has_boost", "prepare_comparison", "resolve_methods", "token_agreement",
+           "first_divergence", "ForcedScore", "layer_key_magnitudes", "encode_chat", "model_context",
            "memory_probe", "SeededSampler"]

@@ -7,6 +7,9 @@
 
 A run can also be written when it starts and again when it ends (db.save_run(RunEntry(...)), same slug): a
 server that dies in between leaves it "running" until db.mark_interrupted() finds it.
+
+Visitors' votes on a run's answers (db.add_vote) and each answer's teacher-forced score add up in
+db.leaderboard().
 """
 
 from .db import StorageError, resolve_url
@@ -15,18 +18,22 @@ from .records import (
     STATUS_INTERRUPTED,
     STATUS_RUNNING,
     STATUS_STOPPED,
+    VOTE_TIE,
+    LeaderboardRow,
     MethodResult,
     PageStat,
     RunDetail,
     RunEntry,
     RunRecord,
     RunSummary,
+    Vote,
 )
 from .repository import CSV_COLUMNS, Database, new_slug
 
 __all__ = [
     "CSV_COLUMNS",
     "Database",
+    "LeaderboardRow",
     "MethodResult",
     "PageStat",
     "RunDetail",
@@ -38,6 +45,8 @@ __all__ = [
     "STATUS_RUNNING",
     "STATUS_STOPPED",
     "StorageError",
+    "VOTE_TIE",
+    "Vote",
     "new_slug",
     "resolve_url",
 ]

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Dialect,
     Float,
@@ -95,6 +96,10 @@ class MethodResultRow(Base):
     value_bits: Mapped[float | None] = mapped_column(Float)
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     agreement: Mapped[float | None] = mapped_column(Float)
+    # FP16's answer fed through this method's cache (revision 0003)
+    top1_agreement: Mapped[float | None] = mapped_column(Float)
+    kl_from_fp16: Mapped[float | None] = mapped_column(Float)
+    first_difference: Mapped[int | None] = mapped_column(Integer)
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)
 
@@ -116,3 +121,16 @@ class PageStatRow(Base):
     head_dim: Mapped[int] = mapped_column(Integer)  # mask length; packed bits are padded to bytes
     boost_mask: Mapped[bytes] = mapped_column(LargeBinary)  # codec.pack_mask
     magnitudes: Mapped[bytes] = mapped_column(LargeBinary)  # codec.pack_floats (float32 LE)
+
+
+class VoteRow(Base):
+    """A visitor's preference among a run's answers (revision 0003)."""
+
+    __tablename__ = "votes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    choice: Mapped[str] = mapped_column(String(64))  # a method of the run, or "tie"
+    blind: Mapped[bool] = mapped_column(Boolean)  # the methods were hidden behind letters
+    shown: Mapped[list[str]] = mapped_column(JSON)  # the methods in the order shown (A, B, ...)

@@ -25,7 +25,12 @@ METRIC_FIELDS: tuple[str, ...] = (
     "value_bits",
     "peak_memory_bytes",
     "agreement",
+    "top1_agreement",
+    "kl_from_fp16",
+    "first_difference",
 )
+# A vote for no single answer
+VOTE_TIE = "tie"
 
 # Run status: derived from its results' errors once it ended normally...
 STATUS_OK = "ok"
@@ -66,7 +71,10 @@ class MethodResult:
     key_bits: float | None = None
     value_bits: float | None = None
     peak_memory_bytes: int | None = None
-    agreement: float | None = None  # share of tokens identical to the fp16 output
+    agreement: float | None = None  # free-running: share of tokens identical to the fp16 output
+    top1_agreement: float | None = None  # teacher-forced: share of FP16's tokens the method would also pick first
+    kl_from_fp16: float | None = None  # teacher-forced: mean KL(FP16 || method), nats per token
+    first_difference: int | None = None  # teacher-forced: first position whose top-1 token differs from FP16's
     metrics: dict[str, Any] = field(default_factory=dict)  # anything without a column
     error: str | None = None
     page_stats: list[PageStat] = field(default_factory=list)
@@ -120,6 +128,7 @@ class RunSummary:
     prompt: str  # truncated to SUMMARY_PROMPT_CHARS
     status: str
     methods: list[str]  # in the order they were recorded
+    method_status: list[str] = field(default_factory=list)  # how each one ended (done, stopped, error, ...)
 
 
 @dataclass(frozen=True)
@@ -135,3 +144,32 @@ class RunDetail:
     settings: dict[str, Any]
     status: str
     results: list[MethodResult]
+
+
+@dataclass(frozen=True)
+class Vote:
+    """A stored vote."""
+
+    id: int
+    run_slug: str
+    created_at: datetime  # timezone-aware, UTC
+    choice: str  # a method of the run, or VOTE_TIE
+    blind: bool
+    shown: list[str]
+
+
+@dataclass(frozen=True)
+class LeaderboardRow:
+    """One method's votes and measured quality over the stored runs."""
+
+    method: str
+    votes: int  # votes cast on runs that include this method
+    wins: int  # ...for this method's answer
+    ties: int  # ...for no single answer
+    scored: int  # answers scored against FP16 by teacher forcing
+    top1_agreement: float | None  # their mean
+    kl_from_fp16: float | None  # their mean
+
+    @property
+    def win_rate(self) -> float | None:
+        return self.wins / self.votes if self.votes else None

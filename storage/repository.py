@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from alembic.util import CommandError
-from sqlalchemy import ColumnElement, Engine, Select, delete, insert, select, update
+from sqlalchemy import ColumnElement, Engine, Select, delete, func, insert, select, update
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
@@ -41,7 +41,7 @@ from .db import (
     resolve_url,
     sqlite_file,
 )
-from .models import MethodResultRow, PageStatRow, RunRow
+from .models import MethodResultRow, PageStatRow, RunRow, VoteRow
 from .records import (
     METRIC_FIELDS,
     STATUS_FAILED,
@@ -49,12 +49,15 @@ from .records import (
     STATUS_OK,
     STATUS_PARTIAL,
     STATUS_RUNNING,
+    VOTE_TIE,
+    LeaderboardRow,
     MethodResult,
     PageStat,
     RunDetail,
     RunEntry,
     RunRecord,
     RunSummary,
+    Vote,
 )
 
 SUMMARY_PROMPT_CHARS = 200
@@ -246,13 +249,20 @@ class Database:
         with self._guard("Could not list runs"), self._reads.begin() as session:
             runs = session.scalars(stmt).all()
             methods: dict[int, list[str]] = defaultdict(list)
+            states: dict[int, list[str]] = defaultdict(list)
             method_rows = session.execute(
-                select(MethodResultRow.run_id, MethodResultRow.method)
+                select(
+                    MethodResultRow.run_id,
+                    MethodResultRow.method,
+                    MethodResultRow.error,
+                    MethodResultRow.metrics["status"].as_string(),
+                )
                 .where(MethodResultRow.run_id.in_([run.id for run in runs]))
                 .order_by(MethodResultRow.id)
             )
-            for run_id, name in method_rows:
+            for run_id, name, error, state in method_rows:
                 methods[run_id].append(name)
+                states[run_id].append(state or ("error" if error else "done"))
             return [
                 RunSummary(
                     id=run.id,
@@ -262,6 +272,7 @@ class Database:
                     prompt=_truncate(run.prompt, SUMMARY_PROMPT_CHARS),
                     status=run.status,
                     methods=methods[run.id],
+                    method_status=states[run.id],
                 )
                 for run in runs
             ]
@@ -297,6 +308,86 @@ class Database:
     def distinct_methods(self) -> list[str]:
         with self._guard("Could not list methods"), self._reads.begin() as session:
             return list(session.scalars(select(MethodResultRow.method).distinct().order_by(MethodResultRow.method)))
+
+    def add_vote(self, slug: str, choice: str, *, blind: bool, shown: Sequence[str]) -> Vote:
+        """Store a visitor's preference among the answers of run `slug`: one of its methods, or VOTE_TIE.
+        StorageError when the run is not stored (yet) or the choice names none of its methods."""
+        with self._guard("Could not store the vote", write=True), self._writes.begin() as session:
+            run = session.scalars(select(RunRow).where(RunRow.slug == slug)).one_or_none()
+            if run is None:
+                raise StorageError(f"no run {slug!r} to vote on", "the run is not saved yet")
+            methods = set(session.scalars(select(MethodResultRow.method).where(MethodResultRow.run_id == run.id)))
+            if choice != VOTE_TIE and choice not in methods:
+                raise StorageError(
+                    f"vote for {choice!r}, not a method of run {slug}", "the vote names no answer of this run", False
+                )
+            row = VoteRow(
+                run_id=run.id, created_at=datetime.now(timezone.utc), choice=choice, blind=blind, shown=list(shown)
+            )
+            session.add(row)
+            session.flush()
+            return Vote(row.id, slug, _as_utc(row.created_at), choice, blind, list(shown))
+
+    def votes(self, slug: str) -> list[Vote]:
+        """The votes on one run, oldest first."""
+        with self._guard("Could not read the votes"), self._reads.begin() as session:
+            rows = session.execute(
+                select(VoteRow, RunRow.slug).join(RunRow, RunRow.id == VoteRow.run_id).where(RunRow.slug == slug)
+                .order_by(VoteRow.id)
+            ).all()
+            return [Vote(v.id, run_slug, _as_utc(v.created_at), v.choice, v.blind, v.shown) for v, run_slug in rows]
+
+    def leaderboard(self, model: str | None = None) -> list[LeaderboardRow]:
+        """Per method: the votes cast on runs that include it and how many chose it, and the mean teacher-forced
+        score of its answers (FP16 itself, the reference, has none); methods with neither are left out."""
+        runs = select(RunRow.id).where(RunRow.model == model) if model is not None else select(RunRow.id)
+        with self._guard("Could not read the leaderboard"), self._reads.begin() as session:
+            seen = dict(
+                session.execute(
+                    select(MethodResultRow.method, func.count(func.distinct(VoteRow.id)))
+                    .join(VoteRow, VoteRow.run_id == MethodResultRow.run_id)
+                    .where(MethodResultRow.run_id.in_(runs.scalar_subquery()))
+                    .group_by(MethodResultRow.method)
+                ).all()
+            )
+            chosen = dict(
+                session.execute(
+                    select(VoteRow.choice, func.count(VoteRow.id))
+                    .where(VoteRow.run_id.in_(runs.scalar_subquery()))
+                    .group_by(VoteRow.choice)
+                ).all()
+            )
+            ties = dict(
+                session.execute(
+                    select(MethodResultRow.method, func.count(func.distinct(VoteRow.id)))
+                    .join(VoteRow, VoteRow.run_id == MethodResultRow.run_id)
+                    .where(VoteRow.choice == VOTE_TIE, MethodResultRow.run_id.in_(runs.scalar_subquery()))
+                    .group_by(MethodResultRow.method)
+                ).all()
+            )
+            quality = {
+                method: (count, top1, kl)
+                for method, count, top1, kl in session.execute(
+                    select(
+                        MethodResultRow.method,
+                        func.count(MethodResultRow.kl_from_fp16),
+                        func.avg(MethodResultRow.top1_agreement),
+                        func.avg(MethodResultRow.kl_from_fp16),
+                    )
+                    .where(
+                        MethodResultRow.kl_from_fp16.is_not(None), MethodResultRow.run_id.in_(runs.scalar_subquery())
+                    )
+                    .group_by(MethodResultRow.method)
+                ).all()
+            }
+        rows = []
+        for method in sorted(set(seen) | set(quality)):
+            count, top1, kl = quality.get(method, (0, None, None))
+            rows.append(
+                LeaderboardRow(method, seen.get(method, 0), chosen.get(method, 0), ties.get(method, 0), count,
+                               None if top1 is None else float(top1), None if kl is None else float(kl))
+            )
+        return rows
 
     def export_csv(
         self,

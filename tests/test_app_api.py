@@ -71,6 +71,12 @@ def test_compare_endpoint_returns_answers_and_metrics_and_logs_the_run(client, s
         assert 0 <= answer["agreement"] <= 1
     assert result["results"]["fp16"]["agreement"] == 1.0
     assert result["results"]["kitty"]["key_pages"] > 0
+    # Scored by teacher forcing (FP16's answer fed through each cache) before the answer comes back
+    assert result["results"]["fp16"]["score_status"] == "reference"
+    for method in ("kivi-k2v2", "kitty"):
+        answer = result["results"][method]
+        assert answer["score_status"] == "scored" and answer["scored_tokens"] == result["results"]["fp16"]["n_tokens"]
+        assert 0 <= answer["top1_agreement"] <= 1 and answer["kl_from_fp16"] > 0
     assert result["permalink"] == f"/?run={result['run_slug']}"
 
     run = Database(f"sqlite:///{server[1]}").get_run(result["run_slug"])
@@ -84,6 +90,8 @@ def test_compare_endpoint_returns_answers_and_metrics_and_logs_the_run(client, s
         assert stored[method].kv_bytes == answer["kv_bytes"]
         assert stored[method].agreement == pytest.approx(answer["agreement"])
         assert stored[method].metrics["timeline"]
+        assert stored[method].kl_from_fp16 == (None if method == "fp16" else pytest.approx(answer["kl_from_fp16"]))
+        assert stored[method].metrics["score_status"] == answer["score_status"]
     # Page stats of the Kitty method: every layer x KV head x page of sequence 0, 8 of 64 channels boosted
     stats = stored["kitty"].page_stats
     pages = result["results"]["kitty"]["key_pages"] // 30

@@ -3,6 +3,7 @@ costs the answers nor (once it is back) the history entry. These drive the tab's
 function the button runs), with the tab built inside a gr.Blocks."""
 from __future__ import annotations
 
+import re
 import shutil
 import sqlite3
 import time
@@ -117,11 +118,11 @@ def test_sizes_beyond_the_model_context_are_refused_before_allocating(page_for):
     limited = page_for(max_prompt_chars=1000, max_messages=3)
     out = send(limited, prompt="cat " * 300)
     assert "The conversation is 1,199 characters long; this server takes at most 1,000" in status_of(limited, out)
-    chats = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}] * 2
-             if label == "fp16" else [] for label in PANE_METHODS]
+    session = CompareSession()
+    session.history["fp16"] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}] * 2
     outputs = {}
-    for update in limited.send(CompareSession(), "And now?", ["fp16"], *CUSTOM.values(), *GENERATION.values(), "",
-                               "kitty", 10, 0, *chats):
+    for update in limited.send(session, "And now?", ["fp16"], *CUSTOM.values(), *GENERATION.values(), "",
+                               "kitty", 10, 0, *[[] for _ in PANE_METHODS]):
         outputs.update(update)
     assert "The conversation has 5 messages; this server takes at most 3" in status_of(limited, outputs)
 
@@ -224,7 +225,7 @@ def test_one_method_failing_shows_in_its_pane_only(page_for, monkeypatch):
     monkeypatch.setattr(engine, "make_cache", make_cache)
     page = page_for()
     out = send(page)
-    assert "1 of 2 methods finished; failed: kitty" in status_of(page, out)
+    assert "1 of 2 answers complete; failed: kitty" in status_of(page, out)
     assert "Out of memory: CUDA out of memory. Tried to allocate 20.00 MiB" in out[page.metrics["kitty"]]
     assert "Out of memory" in answer(page, out, "kitty") and "Out of memory" not in answer(page, out, "fp16")
     assert "Traceback" not in str(out)
@@ -252,28 +253,154 @@ def test_an_allowed_model_that_cannot_load_gets_a_message(default_model, tmp_pat
     assert "Could not load the model &#x27;no-such-org/no-such-model&#x27;" in status_of(page, out)
 
 
-def test_a_second_turn_sends_each_pane_its_own_history(page_for):
-    page = page_for()
-    previous = {"fp16": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}],
-                "kitty": [{"role": "user", "content": "Name a colour."},
-                          {"role": "assistant", "content": "Red.", "metadata": None},
-                          {"role": "assistant", "content": "✕ failed", "metadata": {"title": "This method failed"}}]}
-    session = CompareSession()
-    chats = [previous.get(label, []) for label in PANE_METHODS]
-    outputs = {}
-    for update in page.send(session, "And another one?", ["fp16", "kitty"], *CUSTOM.values(), *GENERATION.values(),
-                            "", "kitty", 10, 0, *chats):
-        outputs.update(update)
-    jobs = session.comparison._jobs
+class Tab:
+    """One browser tab: its session and what its panes show, sent back with the next message as the page does."""
+
+    def __init__(self, page):
+        self.page, self.session = page, CompareSession()
+        self.chats = {label: [] for label in PANE_METHODS}
+
+    def _run(self, updates) -> dict:
+        outputs = {}
+        for update in updates:
+            outputs.update(update)
+        self.chats.update({label: outputs[chat] for label, chat in self.page.chats.items() if chat in outputs})
+        return outputs
+
+    def send(self, prompt, methods=("fp16", "kitty"), document="", blind=False, **generation):
+        g = {**GENERATION, **generation}
+        return self._run(self.page.send(self.session, prompt, list(methods), *CUSTOM.values(), *g.values(), "",
+                                        "kitty", 10, 0, *self.chats.values(), document, blind))
+
+    def regenerate(self) -> dict:
+        return self._run(self.page.regenerate(self.session, "kitty", 10, 0, *self.chats.values()))
+
+
+def test_a_second_turn_sends_each_method_its_own_history(page_for, monkeypatch):
+    """The tab's session keeps what each method saw and wrote (a failed answer is not sent back); the panes only
+    show it."""
+    import backend.engine as engine
     from backend.engine import encode_chat
+    page = page_for()
+    tab = Tab(page)
+    tab.send("Name a colour.", methods=("fp16", "kitty", "kivi-k2v2"))
+    fp16_answer = tab.session.history["fp16"][-1]["content"]
+    assert fp16_answer and fp16_answer == answer(page, {page.chats["fp16"]: tab.chats["fp16"]}, "fp16")
+    tab.session.history["kitty"][-1]["content"] = "Red."              # as if kitty had answered otherwise
+    real = engine.make_cache
+
+    def make_cache(model, config):
+        if config.name == "kivi-k2v2":
+            raise RuntimeError("broken")
+        return real(model, config)
+    monkeypatch.setattr(engine, "make_cache", make_cache)
+    outputs = tab.send("And another one?", methods=("fp16", "kitty", "kivi-k2v2"))
     tokenizer = page.services.models.default[1]
-    for label, answer_text in (("fp16", "Blue."), ("kitty", "Red.")):   # the error note is not sent to the model
-        expected = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": answer_text},
+    jobs = tab.session.comparison._jobs
+    for label, earlier in (("fp16", fp16_answer), ("kitty", "Red.")):
+        expected = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": earlier},
                     {"role": "user", "content": "And another one?"}]
         assert jobs[label].input_ids.tolist() == encode_chat(tokenizer, expected).tolist()
         shown = outputs[page.chats[label]]
-        assert compare_tab._text(shown[-2]["content"]) == "And another one?" and shown[-1]["role"] == "assistant"
-    assert len(outputs[page.chats["fp16"]]) == 4
+        assert [m["role"] for m in shown] == ["user", "assistant", "user", "assistant"]
+        assert compare_tab._text(shown[-2]["content"]) == "And another one?"
+    assert "broken" in answer(page, outputs, "kivi-k2v2")                # the pane shows the failure...
+    assert [m["role"] for m in tab.session.history["kivi-k2v2"]] == ["user", "assistant", "user"]   # ...not sent
+
+
+def test_regenerate_asks_again_with_the_same_settings_and_a_new_seed_when_sampling(page_for):
+    page = page_for()
+    tab = Tab(page)
+    assert "Nothing to regenerate yet" in status_of(page, tab.regenerate())
+    first = tab.send("Name a colour.")
+    again = tab.regenerate()                                  # greedy: the very same answers, in place of the last
+    for label in ("fp16", "kitty"):
+        assert answer(page, again, label) == answer(page, first, label)
+        assert [m["role"] for m in tab.chats[label]] == ["user", "assistant"]
+        assert [m["role"] for m in tab.session.history[label]] == ["user", "assistant"]
+    tab.send("Name an animal.", decoding="sample", seed=5)
+    out = tab.regenerate()
+    assert out[page.generation[5]] == 6 and tab.session.request.settings.seed == 6
+    assert compare_tab._text(tab.chats["fp16"][-2]["content"]) == "Name an animal." and len(tab.chats["fp16"]) == 4
+
+
+def test_stop_is_not_success_and_new_chat_starts_afresh(page_for):
+    page = page_for()
+    tab = Tab(page)
+    outputs = {}
+    for i, update in enumerate(page.send(tab.session, "Write a long story about a lighthouse.", ["fp16", "kitty"],
+                                         *CUSTOM.values(), *{**GENERATION, "max_new_tokens": 200}.values(), "",
+                                         "kitty", 10, 0, *tab.chats.values())):
+        outputs.update(update)
+        if i == 2:
+            page.stop(tab.session)                            # the Stop button
+    status = status_of(page, outputs)
+    assert "kitty-stopped" in status and "kitty-ok" not in status and "Stopped: 0 of 2 answers complete" in status
+    assert "cut short: fp16, kitty" in status
+    cleared = page.new_chat(tab.session)
+    assert all(cleared[chat] == [] for chat in page.chats.values())
+    assert all("Run a comparison to see this plot" in str(cleared[figure].to_dict()) for figure in page.figures)
+    assert tab.session.history == {} and tab.session.comparison is None and cleared[page.status] == ""
+
+
+def test_a_document_is_sent_before_the_question_and_shown_folded(page_for, tmp_path):
+    from app.compare_tab import read_document
+    from backend.engine import InputError
+    page = page_for(max_prompt_chars=2000)
+    tab = Tab(page)
+    out = tab.send("What is the colour of the door?", methods=("fp16",),
+                   document="The door of the house is green.\n\nNobody knows why.")
+    sent = tab.session.history["fp16"][0]["content"]
+    assert sent == "The door of the house is green.\n\nNobody knows why.\n\nWhat is the colour of the door?"
+    shown = compare_tab._text(out[page.chats["fp16"]][0]["content"])
+    assert "<details" in shown and "document · 50 characters" in shown and shown.endswith("the door?")
+    assert out[page.document] == "" and out[page.prompt] == ""
+    out = tab.send("And now?", methods=("fp16",), document="x" * 1990)     # the same limit as the conversation
+    assert "this server takes at most 2,000" in status_of(page, out)
+
+    text = tmp_path / "notes.txt"
+    text.write_text("Über die Brücke.\n")
+    assert read_document(str(text), 2000) == "Über die Brücke.\n"
+    for content, message in ((b"x" * 8001, "notes.bin is 8,001 bytes"), (b"\xff\xfe\x00\x01", "not a UTF-8 text"),
+                             (b"ab\x00cd", "looks like a binary file"), (b"y" * 2001, "has 2,001 characters"),
+                             (b"  \n", "is empty")):
+        path = tmp_path / "notes.bin"
+        path.write_bytes(content)
+        with pytest.raises(InputError, match=message):
+            read_document(str(path), 2000)
+    document, status = page.load_document(str(path))
+    assert "kitty-error" in status and "is empty" in status
+    document, status = page.load_document(str(text))
+    assert document == "Über die Brücke.\n" and "Loaded notes.txt (17 characters)" in status
+
+
+def test_blind_mode_hides_the_methods_until_the_vote_which_is_stored(page_for, tmp_path):
+    page = page_for()
+    tab = Tab(page)
+    methods = ("fp16", "kivi-k2v2", "kitty")
+    out = tab.send("Name a colour.", methods=methods, blind=True)
+    order = tab.session.run.order
+    assert sorted(order) == sorted(methods)
+    for label in methods:
+        letter = "ABC"[order.index(label)]
+        header = re.sub("<[^>]+>", " ", out[page.headers[label]])          # the text a visitor sees
+        assert f"Answer {letter}" in header and label not in header
+        assert "hidden until you vote" in out[page.metrics[label]] and "KV cache" not in out[page.metrics[label]]
+        assert f"kitty-order-{order.index(label)}" in out[page.panes[label]]["elem_classes"]
+    assert out[page.live_box]["visible"] is False and out[page.vote_box]["visible"] is True
+    assert out[page.vote_choice]["choices"][:3] == [("A", "A"), ("B", "B"), ("C", "C")] or \
+        [c if isinstance(c, str) else c[0] for c in out[page.vote_choice]["choices"]][:3] == ["A", "B", "C"]
+    assert "Choose an answer" in page.vote(tab.session, None)[page.vote_status]
+
+    voted = page.vote(tab.session, "B")
+    assert f"Vote stored: B = {order[1]}" in voted[page.vote_status]
+    assert all(label in re.sub("<[^>]+>", " ", voted[page.headers[label]]) for label in methods)   # revealed
+    assert "KV cache" in voted[page.metrics["kitty"]] and voted[page.live_box]["visible"] is True
+    assert "already voted" in page.vote(tab.session, "A")[page.vote_status]
+    votes = page.services.runlog.database().votes(tab.session.run.slug)
+    assert [(v.choice, v.blind, v.shown) for v in votes] == [(order[1], True, order)]
+    board = {row.method: row for row in page.services.runlog.database().leaderboard()}
+    assert board[order[1]].wins == 1 and all(board[m].votes == 1 for m in methods)
 
 
 def test_history_messages_for_unknown_runs_and_export(default_model, tmp_path):
@@ -285,15 +412,21 @@ def test_history_messages_for_unknown_runs_and_export(default_model, tmp_path):
         history = history_tab.build(services)
     slug = status_of(compare, send(compare)).split("Saved as run ")[1].split(".")[0]
 
+    assert history.guide.value and "Click a run" in history.guide.value and history.run_box.visible is False
     view = dict(zip(history.view_outputs, history.open_run("nosuchrun1")))
     assert "No run &#x27;nosuchrun1&#x27; in this database" in view[history.message]
+    assert view[history.guide]["visible"] is True and view[history.run_box]["visible"] is False
     view = dict(zip(history.view_outputs, history.open_run("")))
     assert "Type a run id" in view[history.message]
     view = dict(zip(history.view_outputs, history.open_run(slug)))
     assert f"Run {slug}" in view[history.header] and [row[0] for row in view[history.metrics]] == ["fp16", "kitty"]
+    assert view[history.guide]["visible"] is False and view[history.run_box]["visible"] is True
+    fp16_row, kitty_row = view[history.metrics]
+    assert fp16_row[2] == "reference" and kitty_row[2].endswith("%") and float(kitty_row[3]) >= 0   # teacher-forced
 
-    rows, message, *_ = history.search("kitty", "any", None, None)
+    rows, message, _, _, board = history.search("kitty", "any", None, None)
     assert [row[0] for row in rows] == [slug] and "1 run(s)" in message
+    assert [row[0] for row in board] == ["kitty"] and board[0][5] == 1           # one kitty answer scored
     rows, *_ = history.search("kivi-k4v4", "any", None, None)
     assert rows == []
     today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0, tzinfo=None)
@@ -304,6 +437,15 @@ def test_history_messages_for_unknown_runs_and_export(default_model, tmp_path):
     csv_update, message = history.export("any", "any", None, None)
     assert "Exported 2 row(s)" in message
     assert Path(csv_update["value"]).read_text().count(slug) == 2
+
+    session = CompareSession()                   # a run whose methods were stopped is listed as such, never "ok"
+    for i, _ in enumerate(compare.send(session, "Tell a long story.", ["fp16", "kitty"], *CUSTOM.values(),
+                                       *{**GENERATION, "max_new_tokens": 300}.values(), "", "kitty", 10, 0,
+                                       *[[] for _ in PANE_METHODS])):
+        if i == 2:
+            compare.stop(session)
+    rows, *_ = history.search("any", "any", None, None)
+    assert rows[0][3] == "fp16 (stopped), kitty (stopped)" and rows[0][4] == "stopped"
 
 
 def test_the_service_binds_locally_unless_told_otherwise(monkeypatch):

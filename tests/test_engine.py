@@ -11,8 +11,10 @@ import torch
 from conftest import tiny_model
 
 import backend.engine as engine
-from backend import teaching
-from backend.engine import GenerationSettings, InputError, prepare_comparison, resolve_methods, token_agreement
+from backend import make_cache, teaching
+from backend.analysis import bundled_text, mean_kl, teacher_forced_logprobs
+from backend.engine import (GenerationSettings, InputError, first_divergence, prepare_comparison, resolve_methods,
+                            token_agreement)
 
 STORY = [{"role": "user", "content": "Write a long story about a cat who learns to fly. Use many details."}]
 
@@ -111,6 +113,54 @@ def test_stop_ends_every_method_early(default_model):
             comparison.stop()
     assert {s.status for s in snaps.values()} == {"stopped"}
     assert all(2 <= s.n_tokens < 200 for s in snaps.values())
+    # Stop stops the scoring too, and a stopped answer is judged on the tokens it has, not on the ones it lacks
+    assert {s.score_status for s in snaps.values()} == {"stopped"} and comparison.finished and comparison.stopped
+    common = min(s.n_tokens for s in snaps.values())
+    expected = token_agreement(snaps["fp16"].token_ids[:common], snaps["kitty"].token_ids[:common])
+    assert snaps["kitty"].agreement == pytest.approx(expected)
+
+
+def test_answers_are_scored_against_fp16_by_teacher_forcing(default_model):
+    """After the answers, FP16's answer goes through every cache token by token: the figures equal an independent
+    teacher-forced pass, and (greedy decoding) the first position where a cache's top-1 differs from FP16's is
+    exactly where its own answer parts from FP16's."""
+    model, tokenizer = default_model
+    messages = [{"role": "user", "content": "Summarize this text in one sentence:\n\n" + bundled_text()[:700]}]
+    comparison = prepare_comparison(model, tokenizer, messages, resolve_methods(["fp16", "kivi-k2v2", "kitty"]),
+                                    GenerationSettings(max_new_tokens=12))
+    statuses = set()
+    for snaps in comparison.updates(interval=0.02):
+        statuses |= {s.score_status for s in snaps.values()}
+    assert "scoring" in statuses and comparison.finished
+    fp16, kivi = snaps["fp16"], snaps["kivi-k2v2"]
+    assert fp16.score_status == "reference" and fp16.score.kl == 0 and fp16.score.top1_agreement == 1
+    assert all(s.score_status == "scored" and s.score.positions == fp16.n_tokens for s in (kivi, snaps["kitty"]))
+    assert snaps["kitty"].key_pages > 0                              # the prompt spans a 2-bit key page
+
+    prompt = comparison._jobs["fp16"].input_ids
+    ids = torch.cat([prompt, torch.tensor([fp16.token_ids])], dim=1)
+    reference = teacher_forced_logprobs(model, ids, make_cache(model, "fp16"), prefix=prompt.shape[1])
+    forced = teacher_forced_logprobs(model, ids, make_cache(model, "kivi-k2v2"), prefix=prompt.shape[1])
+    assert kivi.score.kl == pytest.approx(mean_kl(reference, forced), rel=1e-4, abs=1e-7) and kivi.score.kl > 0
+    same = (reference.argmax(-1) == forced.argmax(-1)).float()
+    assert kivi.score.top1_agreement == pytest.approx(same.mean().item())
+    for snap in (kivi, snaps["kitty"]):
+        assert snap.score.first_difference == snap.diverges_at
+        if snap.divergence_chars is not None:            # the highlighted token is that token of its own answer
+            first, last = snap.divergence_chars
+            assert snap.text[first:last] == tokenizer.decode(snap.token_ids[snap.diverges_at])
+            assert snap.score.method_token == tokenizer.decode(snap.token_ids[snap.diverges_at])
+    metrics = kivi.metrics()
+    assert (metrics["kl_from_fp16"], metrics["top1_agreement"], metrics["score_status"]) == \
+        (kivi.score.kl, kivi.score.top1_agreement, "scored")
+
+
+def test_without_fp16_nothing_is_scored(default_model):
+    model, tokenizer = default_model
+    snaps = prepare_comparison(model, tokenizer, STORY, resolve_methods(["kitty"]),
+                               GenerationSettings(max_new_tokens=2)).run()
+    assert snaps["kitty"].score_status == "none" and snaps["kitty"].score is None
+    assert "no FP16" in snaps["kitty"].score_note
 
 
 def test_seeded_sampling_is_reproducible_and_shared(default_model):
@@ -160,6 +210,10 @@ def test_token_agreement():
     assert token_agreement([1, 2, 3, 4], [1, 2]) == 0.5                   # missing tokens disagree
     assert token_agreement([1, 2, 3, 4], [1, 2], final=False) == 1.0      # streaming: compare what exists
     assert token_agreement([], []) is None
+    assert first_divergence([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert first_divergence([1, 2, 3, 4], [1, 2]) is None                 # a shorter answer marks nothing
+    assert first_divergence([1, 2], [1, 2, 3]) == 2                       # a longer one: its first extra token
+    assert first_divergence([1, 2], [1, 2, 3], final=False) is None       # ...unless the reference is still going
 
 
 # ---------------------------------------------------------------------------------------------- teaching
@@ -183,7 +237,7 @@ def test_suite_table_has_a_row_per_method(small_lm):
     assert fp16["KL vs FP16 (nats/token)"] == 0 and fp16["top-1 agreement with FP16"] == 1
     for r in rows:
         assert 0 <= r["top-1 agreement with FP16"] <= 1 and r["KL vs FP16 (nats/token)"] >= 0
-        assert r["perplexity"] > 1 and r["pass-key found"] in ("0/1", "1/1") and r["allocated KV vs FP16"] > 0
+        assert r["perplexity"] > 1 and r["pass-key found"] in ("0/1", "1/1") and r["KV used vs FP16"] > 0
     assert rows[1]["KL vs FP16 (nats/token)"] > 0                          # 2-bit pages change the output
     assert [r["bits/element in full pages"] for r in rows] == [16, 2.38, 2.5]   # kitty: 8 of 64 key channels at 4 bits
     fractions = [f for f, _ in progress]

@@ -24,10 +24,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import func, inspect, select, text, update
 
-from storage import CSV_COLUMNS, Database, MethodResult, PageStat, RunEntry, StorageError, resolve_url
+from storage import VOTE_TIE, CSV_COLUMNS, Database, MethodResult, PageStat, RunEntry, StorageError, resolve_url
 from storage.codec import pack_mask, unpack_mask
 from storage.db import alembic_config, head_revision
-from storage.models import Base, MethodResultRow, PageStatRow, RunRow
+from storage.models import Base, MethodResultRow, PageStatRow, RunRow, VoteRow
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -212,6 +212,51 @@ def test_deleting_a_run_cascades(db: Database) -> None:
     assert (_count(db, MethodResultRow), _count(db, PageStatRow)) == (0, 0)
 
 
+# --- votes and the leaderboard ------------------------------------------------
+
+
+def _scored_run(db: Database, kl: float, top1: float, model: str = "m"):
+    """fp16 (the reference: no score of its own) and kitty, scored by teacher forcing."""
+    return db.record_run(model, "p", MESSAGES, SETTINGS, [
+        _fp16_dict(), _kitty_result(page_stats=[], kl_from_fp16=kl, top1_agreement=top1, first_difference=3)])
+
+
+def test_votes_are_stored_with_their_run_and_add_up_in_the_leaderboard(db: Database) -> None:
+    first, second = _scored_run(db, kl=0.1, top1=0.9), _scored_run(db, kl=0.3, top1=0.7)
+    _scored_run(db, kl=9.0, top1=0.0, model="other")                  # another model's run: left out below
+    vote = db.add_vote(first.slug, "kitty", blind=True, shown=["kitty", "fp16"])
+    assert (vote.run_slug, vote.choice, vote.blind, vote.shown) == (first.slug, "kitty", True, ["kitty", "fp16"])
+    db.add_vote(first.slug, "fp16", blind=False, shown=["fp16", "kitty"])
+    db.add_vote(second.slug, VOTE_TIE, blind=True, shown=["fp16", "kitty"])
+    assert [v.choice for v in db.votes(first.slug)] == ["kitty", "fp16"] and db.votes("nosuchrun1") == []
+
+    board = {row.method: row for row in db.leaderboard(model="m")}
+    kitty, fp16 = board["kitty"], board["fp16"]
+    assert (kitty.votes, kitty.wins, kitty.ties, kitty.win_rate) == (3, 1, 1, pytest.approx(1 / 3))
+    assert (fp16.votes, fp16.wins, fp16.ties) == (3, 1, 1)
+    assert kitty.scored == 2 and kitty.kl_from_fp16 == pytest.approx(0.2)
+    assert kitty.top1_agreement == pytest.approx(0.8)
+    assert fp16.scored == 0 and fp16.kl_from_fp16 is None           # the reference is not scored against itself
+    assert {row.method: row.scored for row in db.leaderboard()}["kitty"] == 3   # every model
+
+    stored = db.get_run(first.slug).results[1]
+    assert (stored.kl_from_fp16, stored.top1_agreement, stored.first_difference) == (0.1, 0.9, 3)
+    with db.engine.begin() as conn:                                   # votes go with their run
+        conn.execute(RunRow.__table__.delete().where(RunRow.id == first.id))
+    assert _count(db, VoteRow) == 1
+
+
+def test_a_vote_needs_a_stored_run_and_one_of_its_methods(db: Database) -> None:
+    record = _scored_run(db, kl=0.1, top1=0.9)
+    with pytest.raises(StorageError, match="no run") as caught:
+        db.add_vote("nosuchrun1", "kitty", blind=False, shown=[])
+    assert caught.value.reason == "the run is not saved yet" and caught.value.transient
+    with pytest.raises(StorageError, match="not a method of run") as caught:
+        db.add_vote(record.slug, "kivi-k2v2", blind=False, shown=[])
+    assert not caught.value.transient
+    assert _count(db, VoteRow) == 0
+
+
 # --- a run's life: started, finished, interrupted ------------------------------
 
 
@@ -276,6 +321,18 @@ def test_json_columns_hold_standard_json(db: Database, db_path: Path) -> None:
     assert json.loads(settings, parse_constant=lambda c: pytest.fail(f"{c} in stored JSON")) == \
         {"temperature": None, "top_p": [None, 0.5]}
     assert db.get_run(record.slug).results[0].metrics == {"tokens_per_s": None}
+
+
+def test_a_schema_at_0002_is_upgraded_with_its_runs_unscored(db_path: Path) -> None:
+    db = Database(_url(db_path)).init()
+    record = _record_simple(db, "before votes")
+    with db.engine.begin() as conn:
+        command.downgrade(alembic_config(conn), "0002")
+    assert "votes" not in inspect(db.engine).get_table_names()
+    db.init()
+    result = db.get_run(record.slug).results[0]
+    assert result.output_text == "before votes" and result.kl_from_fp16 is None and result.top1_agreement is None
+    assert db.add_vote(record.slug, "fp16", blind=False, shown=["fp16"]).choice == "fp16"
 
 
 def test_a_schema_at_0001_is_upgraded_with_its_runs(db_path: Path) -> None:
@@ -520,7 +577,7 @@ def test_runs_survive_a_new_database_instance(db: Database, db_path: Path) -> No
 
 
 def test_init_stamps_head_and_is_idempotent(db: Database, db_path: Path) -> None:
-    assert head_revision() == "0002"
+    assert head_revision() == "0003"
     assert db.schema_revision() == head_revision()
     with sqlite3.connect(db_path) as raw:
         assert raw.execute("SELECT version_num FROM alembic_version").fetchall() == [(head_revision(),)]
