@@ -11,7 +11,7 @@ import logging
 import gradio as gr
 import torch
 
-from . import api, compare_tab, history_tab, teaching_tab
+from . import api, compare_tab, history_tab, insights_tab, teaching_tab
 from .config import AppConfig, parse_args
 from .services import Services
 from .style import CSS, THEME
@@ -31,9 +31,12 @@ result = client.predict(
 )
 print(result["run_slug"], result["permalink"])
 for method, answer in result["results"].items():
-    print(method, answer["tokens_per_s"], answer["kv_ratio"], answer["agreement"], answer["text"][:60])
+    print(method, answer["tokens_per_s"], answer["kv_ratio"], answer["top1_agreement"], answer["kl_from_fp16"],
+          answer["text"][:60])
 ```
-Settings keys: `max_new_tokens`, `sample` (true/false), `temperature`, `top_p`, `top_k`, `seed`, `custom`
+`top1_agreement`, `kl_from_fp16` and `first_difference` score each answer against FP16's by teacher forcing
+(FP16's answer fed through the method's cache; `score_status` says how it went); `agreement` is the free-running
+token match. Settings keys: `max_new_tokens`, `sample` (true/false), `temperature`, `top_p`, `top_k`, `seed`, `custom`
 (`k_bits`, `v_bits`, `sink`, `page_size`, `local_window`, `alpha`, `selection`), `history` (earlier
 `{{"role", "content"}}` messages) and, where the operator allows it, `model`. A bad request raises an error
 with the same message the page shows."""
@@ -57,12 +60,13 @@ def build_app(services: Services) -> gr.Blocks:
                 history = history_tab.build(services)
             with gr.Tab("Teaching", id="teaching", elem_id="tab-teaching"):
                 teaching_tab.build(services)
+            with gr.Tab("Insights", id="insights", elem_id="tab-insights"):
+                insights_tab.build(services)
             with gr.Tab("API", id="api", elem_id="tab-api"):
                 gr.Markdown(API_DOC.format(url=f"http://{services.config.host}:{services.config.port}/"))
         gr.api(api.make_compare(services), api_name="compare", concurrency_id="generate",
                concurrency_limit=services.config.compare_concurrency)
-        history_tab_.select(history.search, history.filters, [history.table, history.message, *history.filters[:2]],
-                            api_visibility="private")
+        history_tab_.select(history.search, history.filters, history.search_outputs, api_visibility="private")
 
         def open_permalink(request: gr.Request):
             """/?run=<slug> opens the History tab on that run."""

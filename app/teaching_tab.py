@@ -1,13 +1,15 @@
-"""The Teaching tab: "why 2-bit collapses". One click runs backend.teaching's suite on the loaded model and
-shows a table and bars; a second runs the boost sweep (the paper's Figure 4). Progress streams while they run;
-a finished result is remembered, so showing it again to the next class is instant."""
+"""The Teaching tab: "why 2-bit collapses". Precomputed results for the default model show at once (the
+pass-key test at several thousand tokens, the quality suite over the whole bundled text, the anatomy of one real
+key page); below, one click runs backend.teaching's suite on the loaded model and shows a table and bars, a
+second runs the boost sweep (the paper's Figure 4). Progress streams while they run; a finished result is
+remembered, so showing it again to the next class is instant."""
 from __future__ import annotations
 
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import gradio as gr
 
@@ -33,9 +35,8 @@ of channels of each 128-token page (by magnitude) at 4 bits, and lands close to 
 The suite reads a fixed English text (Alice in Wonderland) one token at a time through each cache and compares
 the next-token predictions with FP16: **KL divergence** (0 = identical), **top-1 agreement** and **perplexity**;
 then it hides a 5-digit pass key in filler text and asks for it. *Bits/element in full pages* is what each
-method's pages cost, metadata included (what a long chat tends to); *allocated KV vs FP16* is measured on this
-text, where full-precision buffers (the model's dtype: float32 on a CPU) still dominate. On a CPU each method
-needs about 6-7 s per 100 tokens; methods run three at a time."""
+method's pages cost, metadata included (what a long chat tends to); *KV used vs FP16* is measured on this
+text, where the 16-bit sink and newest tokens are still a large share."""
 
 
 def progress_html(fraction: float, message: str, started: float) -> str:
@@ -82,12 +83,14 @@ class TeachingPage:
     suite_outputs: list
     sweep_inputs: list
     sweep_outputs: list
+    latest: dict = field(default_factory=dict)    # experiment -> [progress, table, plot] of its last finished run
 
     def __post_init__(self):
         self._results: dict[tuple, teaching.Table] = {}
 
     def _run(self, key: tuple, job, render) -> Iterator[list]:
-        """Stream a job's progress into [progress, table, plot]; remember its result under `key`."""
+        """Stream a job's progress into [progress, table, plot]; remember its result under `key`, and as the
+        experiment's latest, which a page (re)load shows at once."""
         if key in self._results:
             yield [status_html("ok", "Shown from an earlier run with the same settings (same model, same "
                                      "inputs, same numbers)."), *render(self._results[key])]
@@ -100,7 +103,13 @@ class TeachingPage:
                 yield [status_html("error", event[1]), gr.update(), gr.update()]
             else:
                 self._results[key] = event[1]
+                self.latest[key[0]] = [status_html("ok", f"The last run, kept: {describe_key(key)}."),
+                                       *render(event[1])]
                 yield [status_html("ok", f"Finished in {time.monotonic() - started:.0f} s."), *render(event[1])]
+
+    def remembered(self) -> list:
+        """What a page (re)load shows: each experiment's last finished run, if any."""
+        return [*self.latest.get("suite", [gr.update()] * 3), *self.latest.get("sweep", [gr.update()] * 3)]
 
     def run_suite(self, methods, text_tokens, depths):
         model, tokenizer = self.services.models.default
@@ -135,21 +144,91 @@ class TeachingPage:
             lambda table: [table.rows, plots.sweep_figure(table.records())])
 
 
-def results_column(name: str, columns: list[str], table_label: str, plot_label: str) -> list:
+def describe_key(key: tuple) -> str:
+    """The settings of a remembered run, from its key (see run_suite / run_sweep)."""
+    if key[0] == "suite":
+        _, model, methods, tokens, depths = key
+        return (f"{model}, {', '.join(methods)}, {tokens} tokens, pass key at "
+                f"{', '.join(f'{d:.0%}' for d in depths)}")
+    _, model, fractions, tokens = key
+    return f"{model}, boost fractions {', '.join(f'{f:.1%}' for f in fractions)}, {tokens} tokens"
+
+
+def results_column(name: str, columns: list[str], table_label: str) -> list:
     """An experiment's outputs, side by side with its controls: progress line, results table and plot
     (elem_ids {name}-progress, {name}-table, {name}-plot)."""
     with gr.Column(scale=3):
         progress = gr.HTML("", elem_id=f"{name}-progress")
-        table = gr.Dataframe(headers=columns, value=[], interactive=False, label=table_label,
+        table = gr.Dataframe(headers=columns, value=[], interactive=False, label=table_label, wrap=True,
                              elem_id=f"{name}-table")
-        plot = gr.Plot(label=plot_label, elem_id=f"{name}-plot")
+        plot = gr.Plot(show_label=False, elem_id=f"{name}-plot")
     return [progress, table, plot]
+
+
+def precomputed_note(data: dict) -> str:
+    return (f"Precomputed on {data['date'][:10]} for {data['model']} ({data['machine']['device']}, "
+            f"{data['machine']['dtype']}, {data['seconds'] // 60} min) with `{data['command']}`: the same model and "
+            f"inputs give the same numbers. Run the suite yourself below for a shorter live version.")
+
+
+def passkey_rows(grid: dict) -> list[list]:
+    """One row per method: keys found at each prompt length."""
+    return [[method, *(f"{h}/{grid['questions']}" for h in hits)] for method, hits in grid["found"].items()]
+
+
+def passkey_text(grid: dict) -> str:
+    """What the pass-key grid shows, in words written from its own numbers (at its longest prompt)."""
+    longest, n = grid["lengths"][-1], grid["questions"]
+    found = ", ".join(f"{method} {hits[-1]}/{n}" for method, hits in grid["found"].items())
+    return (f"A 5-digit secret number is hidden in the bundled story at {len(grid['depths'])} depths "
+            f"({', '.join(f'{d:.0%}' for d in grid['depths'])}), with {len(grid['seeds'])} different number(s) each, "
+            f"and the model is asked for it at the end. At {longest:,} tokens the keys found were: {found}. "
+            "Uniform 2-bit keys lose the shape of the few loud key channels on every page; Kitty keeps those "
+            "channels at 4 bits.")
+
+
+def build_precomputed(services: Services) -> None:
+    """The shipped results (backend/data/teaching_precomputed.json), shown as soon as the page loads."""
+    data = teaching.load_precomputed()
+    if data is None:
+        gr.Markdown("*No precomputed results are shipped with this copy: run "
+                    f"`{teaching.PRECOMPUTED_COMMAND}` once, or run the suite below.*", elem_id="precomputed-note")
+        return
+    other_model = data["model"] != services.models.default_name
+    gr.Markdown("### Precomputed: the collapse at several thousand tokens\n" + precomputed_note(data) +
+                (f"\n\n**These numbers are for {data['model']}; this server serves {services.models.default_name}.**"
+                 if other_model else ""), elem_id="precomputed-note")
+    grid, anatomy, suite = data["passkey"], data["anatomy"], data["suite"]
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            gr.Plot(plots.passkey_figure(grid), show_label=False, elem_id="precomputed-passkey-plot")
+        with gr.Column(scale=2):
+            gr.Markdown(passkey_text(grid), elem_id="precomputed-passkey-text")
+            gr.Dataframe(headers=["method", *(f"{n:,} tokens" for n in grid["lengths"])],
+                         value=passkey_rows(grid), interactive=False, label="Keys found",
+                         elem_id="precomputed-passkey-table")
+    gr.Markdown("#### Why: a few loud key channels\nEach bar is one key channel of one real 128-token page of this "
+                "model. Per-channel min/max quantization gives every channel 4 levels (2 bits) between its own "
+                "minimum and maximum: a loud channel's levels are far apart, so its values move a lot, and because "
+                "its values are large they dominate the attention scores q·k. Kitty stores the loudest channels of "
+                "each page (orange) with 16 levels.")
+    with gr.Row():
+        gr.Plot(plots.page_channels_figure(anatomy), show_label=False, elem_id="page-channels-plot")
+        gr.Plot(plots.quantization_figure(anatomy), show_label=False, elem_id="quantization-plot")
+    gr.Markdown(f"#### The quality suite over the whole bundled text ({suite['text_tokens']:,} tokens)")
+    with gr.Row(equal_height=False):
+        gr.Dataframe(headers=suite["columns"], value=suite["rows"], interactive=False, label="Suite (precomputed)",
+                     elem_id="precomputed-suite-table", scale=3)
+        gr.Plot(plots.suite_figure([dict(zip(suite["columns"], row)) for row in suite["rows"]]), show_label=False,
+                elem_id="precomputed-suite-plot", scale=3)
 
 
 def build(services: Services) -> TeachingPage:
     tokenizer = services.models.default[1]
     max_tokens = tokenizer(bundled_text(), return_tensors="pt")["input_ids"].shape[1]
     gr.Markdown(INTRO)
+    build_precomputed(services)
+    gr.Markdown("### Run it yourself (live, on the loaded model)")
     text_tokens = gr.Slider(teaching.MIN_TEXT_TOKENS, max_tokens, value=teaching.DEFAULT_TEXT_TOKENS, step=1,
                             label="Text length (tokens)", elem_id="teaching-tokens",
                             info=f"at least {teaching.MIN_TEXT_TOKENS}: sink 32 + one 128-token key page + the "
@@ -162,7 +241,7 @@ def build(services: Services) -> TeachingPage:
                                        elem_id="teaching-methods")
             depths = gr.CheckboxGroup(list(DEPTHS), value=list(DEPTHS), label="Pass-key depths")
             suite_button = gr.Button("Run the suite", variant="primary", elem_id="run-suite")
-        suite_outputs = results_column("suite", teaching.SUITE_COLUMNS, table_label="Results", plot_label="Suite")
+        suite_outputs = results_column("suite", teaching.SUITE_COLUMNS, table_label="Results")
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
             gr.Markdown("#### 2 · The boost sweep (paper Figure 4)\nKIVI-K2V2* (2 bits, 32-token sink) with a "
@@ -170,9 +249,10 @@ def build(services: Services) -> TeachingPage:
                         "If magnitude did not matter, the two curves would lie on top of each other.")
             fractions = gr.CheckboxGroup(list(FRACTIONS), value=list(FRACTIONS), label="Boost fractions")
             sweep_button = gr.Button("Run the boost sweep", variant="primary", elem_id="run-sweep")
-        sweep_outputs = results_column("sweep", teaching.SWEEP_COLUMNS, table_label="Sweep", plot_label="Sweep")
+        sweep_outputs = results_column("sweep", teaching.SWEEP_COLUMNS, table_label="Sweep")
     page = TeachingPage(services, [methods, text_tokens, depths], suite_outputs, [fractions, text_tokens],
                         sweep_outputs)
+    gr.on(None, page.remembered, None, [*suite_outputs, *sweep_outputs], api_visibility="private")   # page load
     # The suite keeps the CPU busy for minutes: its own queue, apart from comparisons and page loads
     limit = services.config.teaching_concurrency
     suite_button.click(page.run_suite, page.suite_inputs, page.suite_outputs, concurrency_id="teaching",

@@ -48,13 +48,34 @@ def perplexity(logprobs: torch.Tensor, targets: torch.Tensor) -> float:
     return logprobs.gather(1, targets[:, None].cpu()).neg().mean().exp().item()
 
 
+ANSWER_START = "The secret number is"
+
+
+def story_sentences() -> list[str]:
+    """The bundled text cut into sentences: the filler of the pass-key prompts."""
+    return [s.strip() + "." for s in bundled_text().replace("\n", " ").split(".") if s.strip()]
+
+
 def passkey_prompt(tokenizer, depth: float, filler_sentences: int = 60, seed: int = 0) -> tuple[list[dict], str]:
-    """A chat asking for a 5-digit pass key hidden at `depth` (0 = start, 1 = end) of repetitive filler text."""
+    """A chat hiding a 5-digit secret number at `depth` (0 = start, 1 = end) of `filler_sentences` sentences of
+    the bundled story (repeated as needed), asking for it, with the answer's start given (encode it with
+    passkey_ids). Measured on the default model (SmolLM2-135M-Instruct, CPU, 2026-11-30): with repetitive filler
+    ("The grass is green. ...") and an open question, FP16 itself lost the key at 2-4K tokens (2 of 6, answering
+    "a special key that is used to unlock..."); with the story and the answer's start it found 6 of 6 at 1K, 2K
+    and 4K tokens."""
     rng = random.Random(seed)
     key = str(rng.randint(10000, 99999))
-    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-    parts = [filler] * filler_sentences
-    parts.insert(round(depth * filler_sentences), f"The pass key is {key}. Remember it. {key} is the pass key.")
-    text = ("There is important information hidden inside a lot of irrelevant text. Find it and memorize it.\n"
-            + " ".join(parts) + "\nWhat is the pass key?")
-    return [{"role": "user", "content": text}], key
+    story = story_sentences()
+    parts = [story[i % len(story)] for i in range(filler_sentences)]
+    parts.insert(round(depth * filler_sentences), f"The secret number is {key}.")
+    text = "Read the text below and remember the secret number in it.\n\n" + " ".join(parts) + \
+        "\n\nWhat is the secret number?"
+    return [{"role": "user", "content": text}, {"role": "assistant", "content": ANSWER_START}], key
+
+
+def passkey_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """(1, T) ids of a passkey_prompt chat, the assistant's turn continuing from its given start."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, continue_final_message=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"]
+    return tokenizer("\n".join(m["content"] for m in messages), return_tensors="pt")["input_ids"]
