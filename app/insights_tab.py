@@ -24,8 +24,8 @@ from .teaching_tab import progress_html, stream_job
 INTRO = """### Beyond the paper: what else decides how well a 2-bit cache works
 Five studies on the loaded model. Each first shows numbers **precomputed for the default model** (SmolLM2-135M,
 float32 on a CPU) with the command that made them; **Run live** repeats it on the model this server has loaded,
-with progress (minutes on a CPU: every setting reads the text one token at a time through its own cache, as in
-the Teaching tab). KL is the teacher-forced KL divergence from the FP16 cache's next-token distribution."""
+with progress (seconds to minutes on a CPU: every setting reads the text through its own cache as decoding
+reads it, as in the Teaching tab). KL is the teacher-forced KL divergence from the FP16 cache's next-token distribution."""
 
 STUDIES = {
     "selection": ("1 · Query-aware channel selection",

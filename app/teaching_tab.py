@@ -32,7 +32,7 @@ into 4 levels they lose most of their information, and attention goes wrong. **K
 changes the model; **KIVI-K2V2** (2 bits) drifts away from it. **Kitty** keeps 2 bits but stores the top 12.5%
 of channels of each 128-token page (by magnitude) at 4 bits, and lands close to 4-bit quality.
 
-The suite reads a fixed English text (Alice in Wonderland) one token at a time through each cache and compares
+The suite reads a fixed English text (Alice in Wonderland) through each cache, as decoding reads it, and compares
 the next-token predictions with FP16: **KL divergence** (0 = identical), **top-1 agreement** and **perplexity**;
 then it hides a 5-digit pass key in filler text and asks for it. *Bits/element in full pages* is what each
 method's pages cost, metadata included (what a long chat tends to); *KV used vs FP16* is measured on this

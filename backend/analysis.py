@@ -1,8 +1,9 @@
 """Quality measurements of cache methods on a loaded model (the teaching suite and the quality tests).
 
-Teacher forcing feeds a fixed text one token per step through a cache, exactly as generation would read it,
-and keeps each step's next-token distribution: the KL divergence from the FP16 run and the perplexity of the
-text measure what quantizing the cache costs. The pass-key test hides a number in filler text and asks for it.
+Teacher forcing feeds a fixed text through a cache exactly as generation would read it (chunks between page
+boundaries, each token seeing what it would see when decoded), and keeps each position's next-token
+distribution: the KL divergence from the FP16 run and the perplexity of the text measure what quantizing the
+cache costs. The pass-key test hides a number in filler text and asks for it.
 """
 from __future__ import annotations
 
@@ -21,21 +22,49 @@ def bundled_text() -> str:
     return (DATA / "alice.txt").read_text()
 
 
+def page_lengths(cache, start: int, end: int) -> list[int] | None:
+    """The cache lengths in (start, end) at which decoding one token at a time would turn buffered tokens into a
+    page: those of a KittyCache with the paper's schedule (flush_spread 1), whose key pages form at lengths
+    sink + k * G and value pages at sink + R + k * G. Between two of them a chunk of tokens sees exactly the cache
+    that each of its tokens would see when decoded. None for other caches (fed one token at a time)."""
+    from .cache import KittyCache, KittyLayer
+    if not isinstance(cache, KittyCache):
+        return None
+    lengths = set()
+    for layer in cache.layers:
+        if not isinstance(layer, KittyLayer):               # transformers' sliding-window layers: no pages
+            continue
+        if layer.flush_spread != 1:
+            return None
+        cfg = layer.config
+        first = [cfg.sink + cfg.page_size] * (cfg.k_bits < 16) + \
+                [cfg.sink + cfg.local_window + cfg.page_size] * (cfg.v_bits < 16)
+        for length in first:
+            lengths.update(range(length, end, cfg.page_size))
+    return sorted(n for n in lengths if start < n < end)
+
+
 @torch.no_grad()
 def teacher_forced_logprobs(model, input_ids: torch.Tensor, cache, prefix: int = 16,
                             progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
     """Log-probabilities (T - prefix, vocab) of each next token, the first `prefix` tokens as a prompt and the
-    rest one decode step at a time through `cache` (a KittyCache, a DynamicCache, ...)."""
+    rest read as decoding would read them through `cache` (a KittyCache, a DynamicCache, ...). A KittyCache takes
+    the tokens between two page boundaries as one chunk (page_lengths): the same cache contents per token as one
+    decode step each, in a handful of forward passes instead of one per token. Other caches: one token a step.
+    `progress(tokens fed, tokens to feed)` after each pass."""
     ids = input_ids.to(model.device)
     out = model(ids[:, :prefix], past_key_values=cache, use_cache=True)
-    rows = [out.logits[0, -1].float().log_softmax(-1)]
-    steps = ids.shape[1] - prefix - 1
-    for i in range(steps):
-        out = model(ids[:, prefix + i:prefix + i + 1], past_key_values=cache, use_cache=True)
-        rows.append(out.logits[0, -1].float().log_softmax(-1))
+    rows = [out.logits[0, -1:].float().log_softmax(-1)]
+    end = ids.shape[1] - 1                                   # the last token's prediction is not needed
+    cuts = page_lengths(cache, prefix, end)
+    cuts = range(prefix + 1, end) if cuts is None else cuts
+    bounds = [prefix, *cuts, end] if end > prefix else [prefix]
+    for a, b in zip(bounds, bounds[1:]):
+        out = model(ids[:, a:b], past_key_values=cache, use_cache=True)
+        rows.append(out.logits[0].float().log_softmax(-1))
         if progress:
-            progress(i + 1, steps)
-    return torch.stack(rows).cpu()
+            progress(b - prefix, end - prefix)
+    return torch.cat(rows).cpu()
 
 
 def mean_kl(reference: torch.Tensor, other: torch.Tensor) -> float:

@@ -217,7 +217,7 @@ class KeyMagnitudes:
 
 @dataclass(frozen=True)
 class ForcedScore:
-    """FP16's answer fed token by token through one method's cache (teacher forcing), right after the answers
+    """FP16's answer fed through one method's cache as decoding reads it (teacher forcing), right after the answers
     finished: the same prompt and the same tokens for every method, so only the cache differs. Unlike matching two
     free-running answers, one early difference does not spoil every later position."""
 
@@ -664,8 +664,7 @@ class Comparison:
         def check_stop(step: int, steps: int) -> None:
             if self._stop.is_set():
                 raise _Stopped
-            if step % 8 == 0:
-                self._publish(label, score_note=f"scoring: {step} of {steps} tokens")
+            self._publish(label, score_note=f"scoring: {step} of {steps} tokens")
         try:
             logprobs = teacher_forced_logprobs(self.model, ids, make_cache(self.model, job.config),
                                                prefix=prompt.shape[1], progress=check_stop)

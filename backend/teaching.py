@@ -1,8 +1,8 @@
 """The teaching suite: why uniform 2-bit KV quantization collapses, and what protecting a few key channels buys.
 
 Everything runs on the loaded model over fixed inputs, so a class sees the same numbers every time:
-- teacher forcing over the bundled English text (the opening of Alice in Wonderland), one decode step per token
-  through each method's cache: top-1 agreement with FP16, mean KL(FP16 || method) and the text's perplexity;
+- teacher forcing over the bundled English text (the opening of Alice in Wonderland) through each method's
+  cache, each token seeing the cache it would see when decoded (analysis.teacher_forced_logprobs): top-1 agreement with FP16, mean KL(FP16 || method) and the text's perplexity;
 - pass-key retrieval: a 5-digit key hidden at a few depths of filler text, asked for at the end;
 - the boost sweep (the paper's Figure 4): KL from FP16 as the boosted share of key channels goes from 0 to 1,
   channels chosen by magnitude or at random.

@@ -481,3 +481,23 @@ def test_query_aware_presets_generate_with_the_same_memory_as_kitty():
         stats = [cache.stats() for cache in caches]
         assert stats[0].bytes_used == stats[1].bytes_used and stats[1].key_pages == 2          # a page per layer
         assert not all(torch.equal(a, b) for a, b in zip(stats[0].layers[0].boost_masks, stats[1].layers[0].boost_masks))
+
+
+def test_teacher_forcing_in_chunks_between_page_boundaries_equals_one_token_a_step(monkeypatch):
+    """Chunks that end where pages form give every token the cache it would see when decoded: the same
+    log-probabilities as one decode step per token (up to float32 rounding), for keys-only, values and
+    query-aware pages; the boundaries are the lengths where the paper's schedule quantizes."""
+    from backend import analysis
+    model = tiny_model(heads=4, kv_heads=2, head_dim=64)
+    ids = torch.randint(3, 256, (1, 230), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    for name in ("kivi-k2v2", "kivi-k4v2*", "kitty-q"):
+        config = method_config(name, sink=8, page_size=32, local_window=32)
+        cuts = analysis.page_lengths(make_cache(model, config), 5, 229)
+        assert cuts == sorted({*range(8 + 32, 229, 32), *range(8 + 32 + 32, 229, 32)})
+        chunked = analysis.teacher_forced_logprobs(model, ids, make_cache(model, config), prefix=5)
+        with monkeypatch.context() as patch:
+            patch.setattr(analysis, "page_lengths", lambda *args: None)
+            stepped = analysis.teacher_forced_logprobs(model, ids, make_cache(model, config), prefix=5)
+        assert chunked.shape == stepped.shape == (225, 256)
+        torch.testing.assert_close(chunked, stepped, atol=1e-4, rtol=0)
+    assert analysis.page_lengths(make_cache(model, "kitty", flush_spread=2), 5, 229) is None
