@@ -216,11 +216,11 @@ def build_precomputed(services: Services) -> None:
         gr.Plot(plots.page_channels_figure(anatomy), show_label=False, elem_id="page-channels-plot")
         gr.Plot(plots.quantization_figure(anatomy), show_label=False, elem_id="quantization-plot")
     gr.Markdown(f"#### The quality suite over the whole bundled text ({suite['text_tokens']:,} tokens)")
-    with gr.Row(equal_height=False):
-        gr.Dataframe(headers=suite["columns"], value=suite["rows"], interactive=False, label="Suite (precomputed)",
-                     elem_id="precomputed-suite-table", scale=3)
-        gr.Plot(plots.suite_figure([dict(zip(suite["columns"], row)) for row in suite["rows"]]), show_label=False,
-                elem_id="precomputed-suite-plot", scale=3)
+    # the table takes the page's width (seven columns do not fit half of a laptop screen), its plot below
+    gr.Dataframe(headers=suite["columns"], value=suite["rows"], interactive=False, label="Suite (precomputed)",
+                 wrap=True, elem_id="precomputed-suite-table")
+    gr.Plot(plots.suite_figure([dict(zip(suite["columns"], row)) for row in suite["rows"]]), show_label=False,
+            elem_id="precomputed-suite-plot")
 
 
 def build(services: Services) -> TeachingPage:

@@ -3,6 +3,7 @@
     python -m backend.bench attention [--batches 1 8 64] [--lengths 4096 32768] [--out results.json]
     python -m backend.bench generate  [--budget-gb 80] [--prompt 512] [--new-tokens 8192] [--flush-spread 8] [--out results.json]
     python -m backend.bench attention --quick --out results.json      # tiny shapes on a CPU, under a minute
+    python -m backend.bench compare [--methods fp16 kivi-k2v2 kitty] [--new-tokens 64] [--repeat 2]
     python -m backend.bench plot results.json                          # figures (HTML, PNG) from saved results
 
 attention: decode attention of one query per sequence over a cache of L tokens, Qwen3-8B attention shape
@@ -14,6 +15,9 @@ method must read / time, next to the device-to-device copy bandwidth measured in
 generate: a Qwen3-8B-shaped model with random weights under one memory budget: for each method the largest
 batch that fits, tokens/s there, time to first token, per-step latency p50 / p99 / max, and how much the
 page-boundary quantization steps cost.
+
+compare: what a visitor waits for: one comparison of the page (default model, default prompt, the methods at once,
+one thread each) until every answer is complete, and until each is also scored against FP16 (teacher forcing).
 """
 from __future__ import annotations
 
@@ -386,6 +390,38 @@ def png_browser() -> str | None:
     return os.environ["BROWSER_PATH"]
 
 
+# ---------------------------------------------------------------------------------------------- compare
+COMPARE_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def bench_compare(args) -> dict:
+    """The page's comparison on the default model, timed as a visitor sees it, `--repeat` times."""
+    from .engine import GenerationSettings, prepare_comparison, resolve_methods
+    from .model import load_model
+    model, tokenizer = load_model()
+    methods = resolve_methods(args.methods or ["fp16", "kivi-k2v2", "kitty"])
+    settings = GenerationSettings(max_new_tokens=args.new_tokens or 64)
+    rows = []
+    for repeat in range(args.repeat):
+        comparison = prepare_comparison(model, tokenizer, [{"role": "user", "content": COMPARE_PROMPT}], methods,
+                                        settings)
+        start, answered = time.perf_counter(), None
+        comparison.start()
+        while not comparison.finished:
+            if answered is None and all(s.finished for s in comparison.snapshots().values()):
+                answered = time.perf_counter() - start
+            time.sleep(0.01)
+        total = time.perf_counter() - start
+        snaps = comparison.snapshots()
+        rows.append({"repeat": repeat, "answers_s": answered or total, "with_scoring_s": total,
+                     "tokens_per_s": {m: s.tokens_per_s for m, s in snaps.items()},
+                     "tokens": {m: len(s.token_ids) for m, s in snaps.items()}})
+        print(f"answers complete {rows[-1]['answers_s']:.2f} s, scored {total:.2f} s, tokens/s "
+              + ", ".join(f"{m} {v:.1f}" for m, v in rows[-1]["tokens_per_s"].items() if v), flush=True)
+    return {"kind": "compare", "prompt": COMPARE_PROMPT, "model": model.kitty_model_name,
+            "device": str(model.device), "rows": rows, "env": environment()}
+
+
 def write_figures(result: dict, out: Path) -> list[Path]:
     """One Plotly figure per table: HTML always, PNG where kaleido is installed and a browser is found."""
     try:
@@ -401,6 +437,11 @@ def write_figures(result: dict, out: Path) -> list[Path]:
             fig.add_bar(name=method, x=[f"B={r['batch']} L={r['tokens']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode attention, median time per call (lower is better)", yaxis_type="log",
                           yaxis_title="microseconds", barmode="group")
+    elif result["kind"] == "compare":
+        for key, name in (("answers_s", "answers complete"), ("with_scoring_s", "scored against FP16")):
+            fig.add_bar(name=name, x=[f"run {r['repeat'] + 1}" for r in rows], y=[r[key] for r in rows])
+        fig.update_layout(title=f"One comparison on {result['device']} ({', '.join(rows[0]['tokens'])})",
+                          yaxis_title="seconds", barmode="group")
     elif result["kind"] == "tune":
         for setting in dict.fromkeys((r["warps"], r["stages"], r["maxnreg"]) for r in rows):
             sel = [r for r in rows if (r["warps"], r["stages"], r["maxnreg"]) == setting]
@@ -432,7 +473,7 @@ def write_figures(result: dict, out: Path) -> list[Path]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=["attention", "generate", "tune", "plot"])
+    parser.add_argument("kind", choices=["attention", "generate", "tune", "compare", "plot"])
     parser.add_argument("results", nargs="?", help="for plot: a results JSON written by --out")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU friendly, under a minute")
     parser.add_argument("--out", type=Path, help="write results JSON here (and figures beside it)")
@@ -443,6 +484,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int)
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--batch", type=int, help="generate: force this batch instead of the largest that fits")
+    parser.add_argument("--repeat", type=int, default=2, help="compare: how many comparisons to time")
     parser.add_argument("--flush-spread", type=int, default=1,
                         help="generate: quantize a batch's full buffers over this many steps (1: paper schedule)")
     args = parser.parse_args(argv)
@@ -451,7 +493,8 @@ def main(argv=None) -> int:
         for path in write_figures(result, Path(args.results)):
             print(path)
         return 0
-    result = {"attention": bench_attention, "generate": bench_generate, "tune": bench_tune}[args.kind](args)
+    result = {"attention": bench_attention, "generate": bench_generate, "tune": bench_tune,
+              "compare": bench_compare}[args.kind](args)
     if result.get("copy_gbs"):
         print(f"device-to-device copy: {result['copy_gbs']:.0f} GB/s (read + write)")
     if args.out:

@@ -62,3 +62,16 @@ def test_plot_writes_png_from_results_json(tmp_path):
     assert str(png) in done.stdout.splitlines(), done.stdout + done.stderr[-2000:]
     assert_png(png)
     assert results.with_suffix(".html").exists()
+
+
+def test_bench_compare_times_the_pages_comparison(tmp_path):
+    """`bench compare`: the page's comparison on the default model, timed until answered and until scored."""
+    out = tmp_path / "compare.json"
+    done = subprocess.run([sys.executable, "-m", "backend.bench", "compare", "--new-tokens", "4", "--repeat", "1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert result["kind"] == "compare" and set(row["tokens"]) == {"fp16", "kivi-k2v2", "kitty"}
+    assert set(row["tokens"].values()) == {4} and all(v > 0 for v in row["tokens_per_s"].values())
+    assert 0 < row["answers_s"] <= row["with_scoring_s"] and out.with_suffix(".html").exists()

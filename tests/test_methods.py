@@ -2,6 +2,8 @@
 invalid setting (naming it)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from backend import METHODS, PRESETS, CacheConfig, method_config
@@ -9,7 +11,7 @@ from backend import METHODS, PRESETS, CacheConfig, method_config
 
 def test_presets_match_the_paper():
     assert METHODS == ("fp16", "kivi-k2v2", "kivi-k2v2*", "kivi-k2v4*", "kivi-k4v2*", "kivi-k4v4", "kitty",
-                       "kitty-pro")
+                       "kitty-pro", "kitty-q", "kitty-pro-q")
     assert PRESETS["kitty"].alpha == 0.125 and PRESETS["kitty-pro"].alpha == 0.25
     for name in ("kitty", "kitty-pro", "kivi-k2v2*", "kivi-k2v4*", "kivi-k4v2*"):
         cfg = PRESETS[name]
@@ -18,6 +20,9 @@ def test_presets_match_the_paper():
     assert (PRESETS["kivi-k2v4*"].k_bits, PRESETS["kivi-k2v4*"].v_bits) == (2, 4)
     assert (PRESETS["kivi-k4v2*"].k_bits, PRESETS["kivi-k4v2*"].v_bits) == (4, 2)
     assert PRESETS["fp16"].is_full_precision and not PRESETS["kitty"].is_full_precision
+    # beyond the paper: the same budgets with query-aware channels (BENCHMARKS.md section 6)
+    for plain in ("kitty", "kitty-pro"):
+        assert PRESETS[f"{plain}-q"] == replace(PRESETS[plain], name=f"{plain}-q", selection="query")
 
 
 def test_boosted_channel_counts():
