@@ -180,9 +180,9 @@ def suite_figure(records: Sequence[Mapping]) -> go.Figure:
 
 
 def sweep_figure(records: Sequence[Mapping]) -> go.Figure:
-    """KL from FP16 against the boosted share of key channels, magnitude vs random selection (Figure 4)."""
+    """KL from FP16 against the boosted share of key channels per channel selection (Figure 4, plus query-aware)."""
     fig = go.Figure()
-    for selection, colour in (("magnitude", "#F58518"), ("random", "#7F7F7F")):
+    for selection, colour in (("magnitude", "#F58518"), ("random", "#7F7F7F"), ("query", "#2F8F6F")):
         rows = [r for r in records if r["selection"] == selection]
         if rows:
             fig.add_trace(go.Scatter(x=[100 * r["boost fraction"] for r in rows],
@@ -195,7 +195,7 @@ def sweep_figure(records: Sequence[Mapping]) -> go.Figure:
     fig.update_xaxes(title="key channels boosted to 4 bits (%)")
     fig.update_yaxes(title="KL from FP16 (nats/token)", rangemode="tozero")
     return _layout(fig, "Boost sweep (paper Figure 4)", height=420,
-                   detail="which channels you protect matters: by magnitude or at random")
+                   detail="which channels you protect matters: by magnitude, at random or query-aware")
 
 
 def page_channels_figure(anatomy: Mapping) -> go.Figure:

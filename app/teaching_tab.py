@@ -245,8 +245,9 @@ def build(services: Services) -> TeachingPage:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
             gr.Markdown("#### 2 · The boost sweep (paper Figure 4)\nKIVI-K2V2* (2 bits, 32-token sink) with a "
-                        "growing share of key channels at 4 bits, chosen by magnitude (Kitty) or at random. "
-                        "If magnitude did not matter, the two curves would lie on top of each other.")
+                        "growing share of key channels at 4 bits, chosen by magnitude (Kitty), at random, or "
+                        "query-aware (the channels the queries read most, weighted by their 2-bit error: beyond the "
+                        "paper). If the choice did not matter, the curves would lie on top of each other.")
             fractions = gr.CheckboxGroup(list(FRACTIONS), value=list(FRACTIONS), label="Boost fractions")
             sweep_button = gr.Button("Run the boost sweep", variant="primary", elem_id="run-sweep")
         sweep_outputs = results_column("sweep", teaching.SWEEP_COLUMNS, table_label="Sweep")

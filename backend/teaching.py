@@ -5,7 +5,7 @@ Everything runs on the loaded model over fixed inputs, so a class sees the same 
   cache, each token seeing the cache it would see when decoded (analysis.teacher_forced_logprobs): top-1 agreement with FP16, mean KL(FP16 || method) and the text's perplexity;
 - pass-key retrieval: a 5-digit key hidden at a few depths of filler text, asked for at the end;
 - the boost sweep (the paper's Figure 4): KL from FP16 as the boosted share of key channels goes from 0 to 1,
-  channels chosen by magnitude or at random.
+  channels chosen by magnitude, at random, or query-aware (beyond the paper: BENCHMARKS.md section 6).
 Methods run side by side in threads (one cache each). No Gradio here: progress goes to a callback.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ MIN_TEXT_TOKENS = 32 + 128 + 128 + 1
 DEFAULT_TEXT_TOKENS = 400
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 DEFAULT_FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)
-SELECTIONS = ("magnitude", "random")
+SELECTIONS = ("magnitude", "random", "query")   # the boost sweep's curves: the paper's, its control, ours
 PREFIX = 16                          # tokens prefilled before teacher forcing starts
 PASSKEY_NEW_TOKENS = 8                # the answer starts "The secret number is": the digits, a full stop
 WORKERS = 3                          # methods computed at the same time

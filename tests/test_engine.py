@@ -253,9 +253,10 @@ def test_boost_sweep_table(small_lm):
     rows = table.records()
     assert [(r["selection"], r["boost fraction"]) for r in rows] == [
         ("magnitude", 0.0), ("magnitude", 0.25), ("magnitude", 1.0),
-        ("random", 0.0), ("random", 0.25), ("random", 1.0)]
+        ("random", 0.0), ("random", 0.25), ("random", 1.0), ("query", 0.0), ("query", 0.25), ("query", 1.0)]
     by = {(r["selection"], r["boost fraction"]): r["KL vs FP16 (nats/token)"] for r in rows}
-    assert by[("magnitude", 0.0)] == by[("random", 0.0)] and by[("magnitude", 1.0)] == by[("random", 1.0)]
+    for share in (0.0, 1.0):                                                 # none / all boosted: one shared run
+        assert by[("magnitude", share)] == by[("random", share)] == by[("query", share)]
     assert by[("magnitude", 1.0)] < by[("magnitude", 0.0)]                 # 4-bit keys beat 2-bit keys
 
 
