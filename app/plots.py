@@ -216,22 +216,24 @@ def quantization_figure(anatomy: Mapping) -> go.Figure:
     """The page's loudest and quietest channel token by token: the values, and what 2-bit and 4-bit min/max
     quantization (4 and 16 levels between the channel's min and max) bring back."""
     loud, quiet = anatomy["loud"], anatomy["quiet"]
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12)
+    # each panel's own title names its channel and errors: axis titles stay short enough for half a page
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=[
+        f"{name} channel {ch['channel']}: error {ch['error_two_bit']:.2f} / {ch['error_four_bit']:.2f}"
+        for name, ch in (("loud", loud), ("quiet", quiet))])
+    fig.update_annotations(font_size=12)
     first = anatomy["tokens"][0]
-    for col, (name, ch) in enumerate((("loud", loud), ("quiet", quiet)), start=1):
+    for col, ch in enumerate((loud, quiet), start=1):
         tokens = np.arange(first, first + len(ch["values"]))
         for key, label, style in (("values", "keys (16-bit)", dict(color="#7f7f7f", width=2)),
                                   ("two_bit", "2 bits", dict(color="#E45756", width=2, shape="hv")),
                                   ("four_bit", "4 bits", dict(color="#54A24B", width=2, shape="hv"))):
             fig.add_trace(go.Scatter(x=tokens, y=ch[key], mode="lines", line=style, name=label, legendgroup=key,
                                      showlegend=col == 1), row=1, col=col)
-        fig.update_xaxes(title_text=f"token position<br>{name} channel {ch['channel']}: mean error "
-                                    f"{ch['error_two_bit']:.2f} (2 bits), {ch['error_four_bit']:.2f} (4 bits)",
-                         title_font_size=12, row=1, col=col)
+        fig.update_xaxes(title_text="token position", row=1, col=col)
     fig.update_yaxes(title_text="key value", row=1, col=1)
     return _layout(fig, "What min/max quantization does to one channel", height=440,
-                   detail=f"4 levels (2 bits) vs 16 (4 bits); mean |k|: loud {loud['mean_abs']:.1f}, quiet "
-                          f"{quiet['mean_abs']:.2f}")
+                   detail=f"4 levels (2 bits) vs 16 (4 bits); mean |k| {loud['mean_abs']:.1f} vs "
+                          f"{quiet['mean_abs']:.2f}; error: mean |k - k^| at 2 / 4 bits")
 
 
 def passkey_figure(grid: Mapping) -> go.Figure:
@@ -245,4 +247,4 @@ def passkey_figure(grid: Mapping) -> go.Figure:
     fig.update_xaxes(title="prompt length (tokens)", tickvals=lengths)
     fig.update_yaxes(title=f"keys found (of {asked})", range=[-0.3, asked + 0.3], dtick=1)
     return _layout(fig, "Pass-key retrieval", height=420,
-                   detail="a 5-digit key hidden in filler text, asked for at the end")
+                   detail="a 5-digit number hidden in a story, asked for at the end")
