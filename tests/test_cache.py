@@ -499,5 +499,13 @@ def test_teacher_forcing_in_chunks_between_page_boundaries_equals_one_token_a_st
             patch.setattr(analysis, "page_lengths", lambda *args: None)
             stepped = analysis.teacher_forced_logprobs(model, ids, make_cache(model, config), prefix=5)
         assert chunked.shape == stepped.shape == (225, 256)
-        torch.testing.assert_close(chunked, stepped, atol=1e-4, rtol=0)
+        if DEVICE == "cpu":                     # float32 references on both paths: equal up to rounding
+            torch.testing.assert_close(chunked, stepped, atol=1e-4, rtol=0)
+        else:
+            # On a GPU a decode step runs the Triton decode kernel (16-bit operands in its dot products) and a
+            # chunk runs float32 SDPA over dequantized pages: they differ by the kernel's own precision, measured on
+            # the H200 at a mean of up to 3e-4 and a maximum of 4e-3 (kivi-k4v2*); a misplaced chunk moves whole
+            # positions by far more
+            diff = (chunked - stepped).abs()
+            assert diff.mean() < 1e-3 and diff.max() < 2e-2, (name, diff.mean().item(), diff.max().item())
     assert analysis.page_lengths(make_cache(model, "kitty", flush_spread=2), 5, 229) is None
