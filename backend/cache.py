@@ -183,8 +183,8 @@ class KittyLayer(CacheLayerMixin):
             real = torch.arange(n, device=self.device)[None, :] >= torch.as_tensor(pad, device=self.device)[:, None]
             energy = energy * real[:, None, :, None]
         running = energy.cumsum(2)
-        before = self.q_energy
-        self.q_energy = before + running[:, :, -1]
+        before = self.q_energy.clone()
+        self.q_energy += running[:, :, -1]           # in place: a captured decode step (backend.graphs) replays it
         return before, running
 
     def paged(self) -> PagedKV:
@@ -254,6 +254,42 @@ class KittyLayer(CacheLayerMixin):
         rows, where = take.nonzero(as_tuple=True)
         out[rows, where] = fp[rows, :, src[rows, where]].to(dtype)
         return out.transpose(1, 2)
+
+    # ------------------------------------------------------------------------------------------ graph replay
+    def graphable(self) -> bool:
+        """Whether a decode step can be captured and replayed as a CUDA graph (backend.graphs): both sides
+        quantized (a 16-bit side grows its buffer and an fp16 cache slices by the longest sequence, on the host)."""
+        return self.is_initialized and self.config.k_bits < 16 and self.config.v_bits < 16
+
+    def next_decode_is_ordinary(self) -> bool:
+        """Whether the next decode step only inserts one token per sequence and attends: no buffer reaches a page
+        (nor waits for its turn, nor records its queries). Every decode step does that GPU work first; a step that
+        is not ordinary then quantizes (`_quantize_full_buffers`), which reads and writes only this layer's
+        storage, so it may as well run after the whole step's forward. Host arithmetic, no sync."""
+        cfg = self.config
+        n = self.lengths + 1
+        after_sink = n - np.minimum(n, cfg.sink)
+        return not ((after_sink - self.key_table.counts * cfg.page_size >= cfg.page_size).any()
+                    or (after_sink - self.value_table.counts * cfg.page_size
+                        >= cfg.local_window + cfg.page_size).any())
+
+    def replayed_decode_step(self, ordinary: bool = True) -> None:
+        """For a decode step whose insert-and-attend GPU work ran as a graph replay: its host-side effect (`update`
+        and `_insert_one`), then, unless `ordinary` (next_decode_is_ordinary before the step), the quantization
+        of full buffers that the eager step would have run after this layer's attention."""
+        self.seen += 1
+        self.lengths += 1
+        if not ordinary:
+            self._quantize_full_buffers()
+
+    def storage_pointers(self) -> tuple[int, ...]:
+        """Addresses of every tensor a decode step reads or writes: a captured step is valid while they stay."""
+        tensors = [self.k_fp, self.v_fp, self.seq_len, *self.key_pool.tensors.values(),
+                   *self.value_pool.tensors.values(), self.key_table.ids, self.key_table.device_counts,
+                   self.value_table.ids, self.value_table.device_counts, *self.workspace.buffers]
+        if self.query_aware:
+            tensors.append(self.q_energy)
+        return tuple(t.data_ptr() for t in tensors)
 
     # ------------------------------------------------------------------------------------------ storing tokens
     def _insert_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
