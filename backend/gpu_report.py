@@ -4,6 +4,7 @@ given) the earlier kernel's attention table measured in the same run.
 
     python -m backend.gpu_report --out DIR [--steps tests attention tune generate] [--baseline PATH]
                                  [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...]
+                                 [--pytest "tests/test_graphs.py -k graphed"]
 
 Each step is its own process with a share of the time budget; its output goes to DIR/log.txt and its results to
 DIR/<step>.json (few files: the device tool brings back at most 8); each --generate argument list is one
@@ -27,8 +28,8 @@ def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None
     py = sys.executable
     xdist = ["-n", "8"] if _has_module("xdist") else []
     return {
-        "tests": [([py, "-m", "pytest", "-q", "-rf", "--tb=short", "-p", "no:cacheprovider", *xdist, "tests/test_kernels.py",
-                    "tests/test_cache.py"], None)],
+        "tests": [([py, "-m", "pytest", "-q", "-rf", "--tb=short", "-p", "no:cacheprovider", *xdist,
+                    *shlex.split(args.pytest)], None)],
         "attention": [([py, "-m", "backend.bench", "attention", "--out", str(out / "attention.json")], None)],
         "tune": [([py, "-m", "backend.bench", "tune", "--out", str(out / "tune.json")], None)],
         "baseline": [([py, "-m", "backend.bench", "attention", "--methods", "kitty-pro", "kivi-k2v2",
@@ -54,6 +55,8 @@ def main(argv=None) -> int:
     parser.add_argument("--generate", action="append", metavar="ARGS",
                         help="arguments of one `bench generate` run (repeatable; default: 512 + 256 tokens, "
                              "HF static FP16 and kitty-pro)")
+    parser.add_argument("--pytest", default="tests/test_kernels.py tests/test_cache.py tests/test_graphs.py",
+                        help="what the tests step runs: pytest arguments (files, -k EXPR)")
     args = parser.parse_args(argv)
     args.generate = args.generate or ["--prompt 512 --new-tokens 256 --methods hf-static kitty-pro"]
     args.out.mkdir(parents=True, exist_ok=True)
