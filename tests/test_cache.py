@@ -366,7 +366,8 @@ def test_dequantized_pages_track_the_keys():
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_a_further_prompt_chunk_attends_over_the_whole_cache(method, use_triton):
     """A chunk of new tokens on a filled, ragged cache (the next turn of a chat): the batched path (pages
-    dequantized in one launch, one masked SDPA) equals causal attention over each sequence's own tokens."""
+    dequantized in batched launches, lower-right causal SDPA) equals causal attention over each sequence's own
+    tokens."""
     gen = torch.Generator().manual_seed(13)
     lengths, n, heads, group, dim = np.array([300, 161]), 7, 2, 3, 64
     k, v = (torch.randn(2, heads, 300, dim, generator=gen).to(DEVICE) for _ in range(2))
@@ -535,9 +536,11 @@ def test_a_chunk_attends_lower_right_with_no_mask_for_equal_and_ragged_lengths(m
     """A chunk of n tokens whose last counts[b] are real (left padding before them, as chunked prefill of a ragged
     batch gives) on a cache holding lengths[b] tokens: each real query attends causally over its sequence's cache as
     decode reads it (pages dequantized) and its chunk's real tokens; padding rows are zeros, never NaN. Sequences
-    with the same length and count share one SDPA call with a lower-right causal bias, no mask tensor."""
+    with the same length and count share one SDPA call with a lower-right causal bias, no mask tensor. Pages are
+    dequantized three at a time here (slices across sequences)."""
     gen = torch.Generator().manual_seed(14)
     lengths, counts, n, heads, dim = np.array(lengths), np.array(counts), 7, 2, 64
+    monkeypatch.setattr(backend.cache, "DEQUANT_ELEMENTS", 3 * heads * 64 * dim)
     bsz = len(lengths)
     k, v = (torch.randn(bsz, heads, 300, dim, generator=gen).to(DEVICE) for _ in range(2))
     layer = KittyLayer(method_config("kitty-pro", page_size=64, local_window=32), use_triton=False)
