@@ -1,7 +1,9 @@
 """Benchmarks that tell the truth: one command, one table, medians, ratios measured in the same run.
 
     python -m backend.bench attention [--batches 1 8 64] [--lengths 4096 32768] [--out results.json]
-    python -m backend.bench generate  [--budget-gb 80] [--prompt 512] [--new-tokens 8192] [--flush-spread 8] [--out results.json]
+    python -m backend.bench generate  [--budget-gb 80] [--prompt 512] [--new-tokens 8192] [--flush-spread 8]
+                                      [--prefill-chunk 4096] [--out results.json]
+    python -m backend.bench generate --quick --prefill-chunk 16       # chunked prefill, tiny shapes on a CPU
     python -m backend.bench attention --quick --out results.json      # tiny shapes on a CPU, under a minute
     python -m backend.bench compare [--methods fp16 kivi-k2v2 kitty] [--new-tokens 64] [--repeat 2]
     python -m backend.bench plot results.json                          # figures (HTML, PNG) from saved results
@@ -14,7 +16,9 @@ method must read / time, next to the device-to-device copy bandwidth measured in
 
 generate: a Qwen3-8B-shaped model with random weights under one memory budget: for each method the largest
 batch that fits, tokens/s there, time to first token, per-step latency p50 / p99 / max, and how much the
-page-boundary quantization steps cost.
+page-boundary quantization steps cost. --prefill-chunk N feeds the prompt through the cache N tokens at a time
+(generate's prefill_chunk_size, for every method): a long prompt's activations and full-precision keys then never
+exist for the whole prompt at once, so the prefill peak no longer limits the batch.
 
 compare: what a visitor waits for: one comparison of the page (default model, default prompt, the methods at once,
 one thread each) until every answer is complete, and until each is also scored against FP16 (teacher forcing).
@@ -40,7 +44,7 @@ import triton.testing
 from kernels.decode_attention import decode_attention, default_splits  # on a CPU: Triton interpreted
 
 from . import memory
-from .cache import KittyLayer
+from .cache import DEQUANT_ELEMENTS, KittyLayer
 from .methods import method_config
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -267,6 +271,29 @@ def kv_bytes_per_sequence(method: str, model, tokens: int) -> float:
     return memory.sequence_bytes(method_config(method), cfg, tokens)
 
 
+def prefill_bytes_per_sequence(method: str, model, prompt: int, chunk: int | None) -> float:
+    """What one sequence needs beside its cache while its prompt goes through the model, `chunk` tokens per forward
+    (None: the whole prompt at once); the largest of the chunks is the last, whose cache holds prompt - chunk tokens."""
+    cfg = model.config
+    h, hq, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    elem = 2 if model.dtype != torch.float32 else 4
+    n = min(chunk or prompt, prompt)                              # tokens of one forward
+    # MLP activations (gate, up, product) and hidden states of one forward's tokens, the last token's float32 logits
+    need = n * (3 * cfg.intermediate_size + 4 * cfg.hidden_size) * 2 + cfg.vocab_size * 8
+    if n == prompt:                                               # one pass: no mask tensor (SDPA's is_causal)
+        return need
+    need += n * prompt                        # transformers' bool mask (B, 1, n, cached + n), built once per forward
+    if method.startswith("hf-"):
+        # per layer: the cache's torch.cat of its keys and values, transformers' SDPA with a mask expanding them to
+        # the HQ query heads (repeat_kv) and the mask made additive in the model dtype
+        need += 2 * prompt * (h + hq) * d * elem + n * prompt * elem
+    else:
+        # per layer, KittyLayer._attend_chunk: dense keys and values of [cached | chunk] in the model dtype, the
+        # output (n, HQ, D) beside SDPA's; SDPA runs flash attention (lower-right causal, no mask, no score tensor)
+        need += 2 * prompt * h * d * elem + 2 * n * hq * d * elem
+    return need
+
+
 def make_peer_cache(method, model, batch, max_len, flush_spread=1):
     from transformers.cache_utils import DynamicCache, QuantizedCache, StaticCache
 
@@ -293,7 +320,7 @@ class StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1):
+def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None):
     from transformers import StoppingCriteriaList
     device = model.device
     ids = torch.randint(100, model.config.vocab_size, (batch, prompt), device=device,
@@ -306,16 +333,16 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1):
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, disable_compile=True,
-                         stopping_criteria=StoppingCriteriaList([clock]))
+                         prefill_chunk_size=prefill_chunk, stopping_criteria=StoppingCriteriaList([clock]))
     total = time.perf_counter() - start
     assert out.shape == (batch, prompt + new_tokens)
     steps = np.diff(np.array(clock.stamps)) * 1e3                  # decode step latencies, ms
     ttft = clock.stamps[0] - start
     quantized = not method.startswith("hf-") and method != "fp16"
-    row = dict(method=method, batch=batch, prompt=prompt, new_tokens=new_tokens, seconds=total,
-               tokens_per_s=batch * new_tokens / total, decode_tokens_per_s=batch * (new_tokens - 1) / steps.sum() * 1e3,
-               ttft_ms=ttft * 1e3, p50_ms=float(np.median(steps)), p99_ms=float(np.percentile(steps, 99)),
-               max_ms=float(steps.max()),
+    row = dict(method=method, batch=batch, prompt=prompt, prefill_chunk=prefill_chunk, new_tokens=new_tokens,
+               seconds=total, tokens_per_s=batch * new_tokens / total,
+               decode_tokens_per_s=batch * (new_tokens - 1) / steps.sum() * 1e3, ttft_ms=ttft * 1e3,
+               p50_ms=float(np.median(steps)), p99_ms=float(np.percentile(steps, 99)), max_ms=float(steps.max()),
                peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None)
     if quantized:                                     # steps whose token completes a key Q-buffer quantize a page
         cfg = method_config(method)
@@ -340,36 +367,35 @@ def bench_generate(args) -> dict:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * 1e9 / total))
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        # prefill runs the whole batch at once: its MLP activations (gate, up, product) and hidden states per
-        # sequence, plus the last token's logits in float32, come on top of the cache
-        cfg = model.config
-        per_seq_activations = prompt * (3 * cfg.intermediate_size + 4 * cfg.hidden_size) * 2 + cfg.vocab_size * 8
         budget = args.budget_gb * 1e9 - weights - 2e9
     for method in methods:
         if torch.cuda.is_available():
-            per_seq = kv_bytes_per_sequence(method, model, prompt + new_tokens) + per_seq_activations
-            batch = max(1, int(budget / per_seq)) if not args.batch else args.batch
+            per_seq = (kv_bytes_per_sequence(method, model, prompt + new_tokens)
+                       + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk))
+            # a Kitty chunk dequantizes its pages a bounded slice at a time, whatever the batch
+            fixed = DEQUANT_ELEMENTS * 2 if args.prefill_chunk and not method.startswith("hf-") else 0
+            batch = max(1, int((budget - fixed) / per_seq)) if not args.batch else args.batch
         else:
             batch = args.batch or 2
-        row = dict(method=method, batch=batch, error="out of memory")
+        row = dict(method=method, batch=batch, prefill_chunk=args.prefill_chunk, error="out of memory")
         for attempt in range(4):                      # the layout's estimate, confirmed by really running it
             try:
                 if attempt == 0:                      # warm-up: kernel compilation stays out of the timings
-                    run_generate(model, method, 1, prompt, 4)
-                row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread)
+                    run_generate(model, method, 1, prompt, 4, prefill_chunk=args.prefill_chunk)
+                row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread, args.prefill_chunk)
                 break
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 batch = int(batch * 0.9)
             except ImportError as exc:                # a peer whose package is missing (optimum-quanto)
-                row = dict(method=method, batch=batch, error=str(exc).split(".")[0])
+                row = dict(method=method, batch=batch, prefill_chunk=args.prefill_chunk, error=str(exc).split(".")[0])
                 break
         rows.append(row)
         print(json.dumps(row), flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return {"kind": "generate", "budget_gb": args.budget_gb, "model": "Qwen3-8B shape, random weights",
-            "rows": rows, "env": environment()}
+    return {"kind": "generate", "budget_gb": args.budget_gb, "prefill_chunk": args.prefill_chunk,
+            "model": "Qwen3-8B shape, random weights", "rows": rows, "env": environment()}
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -487,6 +513,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="compare: how many comparisons to time")
     parser.add_argument("--flush-spread", type=int, default=1,
                         help="generate: quantize a batch's full buffers over this many steps (1: paper schedule)")
+    parser.add_argument("--prefill-chunk", type=int,
+                        help="generate: feed the prompt through the cache this many tokens at a time, every method "
+                             "(generate's prefill_chunk_size; default: the whole prompt in one pass)")
     args = parser.parse_args(argv)
     if args.kind == "plot":
         result = json.loads(Path(args.results).read_text())

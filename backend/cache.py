@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -30,6 +31,10 @@ from kernels.layout import FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_
 from .memory import FP_BYTES, TABLE_ENTRY_BYTES
 from .methods import CacheConfig
 from .pages import DeviceIndices, PagePool, PageTable
+
+# A further chunk dequantizes its cache's pages this many elements at a time (256 MB in bf16): the transient on
+# top of the dense keys / values it builds stays bounded whatever the batch and length
+DEQUANT_ELEMENTS = 2 ** 27
 
 
 class KittyLayer(CacheLayerMixin):
@@ -152,19 +157,20 @@ class KittyLayer(CacheLayerMixin):
         """Attention output (B, q_len, HQ, D) for the new tokens, storing them in the cache."""
         if self.store_dtype != key.dtype:             # every attention sees the tokens as stored: at 16 bits
             key, value = (t.to(self.store_dtype).to(t.dtype) for t in (key, value))
-        if not self.lengths.any():                                  # prefill: FP16 attention over the prompt
-            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-            counts = prompt_lengths(attention_mask, key.shape[2], key.shape[0])
-            self._append(key, value, counts, self._observe_queries(query, counts))
-            return out
-        if query.shape[2] == 1:                                     # decode: insert, attend, quantize
+        first = self.seen == key.shape[2]                           # nothing before: the prompt or its first chunk
+        if query.shape[2] == 1 and not first:                       # decode: insert, attend, quantize
             self._insert_one(key[:, :, 0], value[:, :, 0])
             self._observe_queries(query, np.ones(self.batch, dtype=np.int64))
             out = self._decode(module, query, scaling, **kwargs)
             self._quantize_full_buffers()
             return out
-        out = self._attend_chunk(query, key, value, scaling)        # a further chunk of prompt on a filled cache
-        counts = np.full(self.batch, key.shape[2])
+        # Real tokens per sequence, at the end of this call's tokens: with left padding and chunked prefill a
+        # sequence's padding may reach into later chunks (or fill the first), so every chunk reads its mask
+        counts = prompt_lengths(attention_mask, key.shape[2], key.shape[0])
+        if first:                                                   # FP16 attention over the prompt
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        else:                                                       # a further chunk on a (maybe empty) cache
+            out = self._attend_chunk(query, key, value, scaling, counts)
         self._append(key, value, counts, self._observe_queries(query, counts))
         return out
 
@@ -209,51 +215,76 @@ class KittyLayer(CacheLayerMixin):
             return decode_attention(query[:, :, 0], self.paged(), scaling, workspace=self.workspace).unsqueeze(1)
         return decode_attention_ref(query[:, :, 0], self.paged(), scaling).unsqueeze(1)
 
-    def _attend_chunk(self, query, key, value, scaling) -> torch.Tensor:
-        """New chunk of n tokens on a non-empty cache (a further prompt, e.g. the next turn of a chat): causal
-        attention over [cached tokens | chunk] for the whole batch at once, pages dequantized in one launch."""
-        n = query.shape[2]
-        past = int(self.lengths.max())
-        keys = torch.cat([self._dense("key", past, query.dtype), key], dim=2)
-        values = torch.cat([self._dense("value", past, query.dtype), value], dim=2)
-        # sequence b's cached tokens sit at [0, lengths[b]) of the first `past` positions; then the chunk, causal
-        pos = torch.arange(past + n, device=self.device)
-        cached = pos[None, None, :] < self.seq_len[:, None, None]
-        chunk = (pos[None, :] >= past) & (pos[None, :] - past <= torch.arange(n, device=self.device)[:, None])
-        mask = (cached | chunk[None]).unsqueeze(1)                          # (B, 1, n, past + n)
-        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
-                                                               enable_gqa=True)
-        return out.transpose(1, 2)
+    def _attend_chunk(self, query, key, value, scaling, counts=None) -> torch.Tensor:
+        """A chunk of n tokens on the cache (the next chunk of a chunked prefill, or a further prompt such as the next
+        turn of a chat): each sequence's real queries attend over its cached tokens as decode reads them (pages
+        dequantized, sink and buffers at 16 bits) and over the chunk's real tokens causally. counts[b]: sequence b's
+        real tokens, the last of the chunk (left padding before them); None: all real. Returns (B, n, HQ, D), zeros in
+        padding rows.
 
-    def _dense(self, kind: str, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """Every sequence's keys or values in token order, (B, H, length, D) in `dtype`, zeros past its end:
-        sink, dequantized pages, then the full-precision buffer (vectorized over sequences and pages)."""
+        Keys and values are laid out [cached | real chunk tokens] per sequence, so attention is causal aligned to the
+        lower right and needs no mask tensor: on CUDA SDPA runs flash attention, never a (B, HQ, n, L) score tensor.
+        Sequences with the same cached length and real count go in one call; consecutive ones share it with no copy
+        (a batch of equal lengths, the usual case, is one call)."""
+        bsz, _, n, _ = query.shape
+        counts = np.full(bsz, n) if counts is None else np.asarray(counts)
+        keys = self._dense("key", query.dtype, key, counts)
+        values = self._dense("value", query.dtype, value, counts)
+        out = query.new_zeros((bsz, n, query.shape[1], query.shape[3]))
+        starts = np.flatnonzero((np.diff(self.lengths, prepend=-1) != 0) | (np.diff(counts, prepend=-1) != 0))
+        for b0, b1 in zip(starts, [*starts[1:], bsz]):
+            past, real = int(self.lengths[b0]), int(counts[b0])
+            if real:
+                attended = torch.nn.functional.scaled_dot_product_attention(
+                    query[b0:b1, :, n - real:], keys[b0:b1, :, :past + real], values[b0:b1, :, :past + real],
+                    attn_mask=causal_lower_right(real, past + real), scale=scaling, enable_gqa=True)
+                out[b0:b1, n - real:] = attended.transpose(1, 2)
+        return out
+
+    def _dense(self, kind: str, dtype: torch.dtype, chunk: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+        """Every sequence's keys or values in token order, then the last counts[b] tokens of `chunk` (B, H, n, D):
+        (B, H, max(lengths + counts), D) in `dtype`, zeros past each sequence's end. One allocation, written in place:
+        sink, dequantized pages, the full-precision buffer (vectorized over sequences and pages), the chunk."""
         cfg = self.config
         s, g = cfg.sink, cfg.page_size
         fp, table = (self.k_fp, self.key_table) if kind == "key" else (self.v_fp, self.value_table)
-        out = torch.zeros((self.batch, length, self.heads, self.head_dim), dtype=dtype, device=self.device)
-        counts = table.counts
-        seqs, cols = np.nonzero(np.arange(table.ids.shape[1])[None, :] < counts[:, None])
-        if len(seqs):
-            rows_d, cols_d = self.to_device(seqs, cols)
-            ids = table.ids[rows_d, cols_d].long()
-            pool = (self.key_pool if kind == "key" else self.value_pool).tensors
-            if kind == "key":
-                dequant = dequantize.dequantize_keys if self._triton() else dequantize.dequantize_keys_ref
-                pages = dequant(*(pool[name][ids] for name in ("low", "high", "ch", "scale", "zero")), dtype)
-            else:
-                dequant = dequantize.dequantize_values if self._triton() else dequantize.dequantize_values_ref
-                pages = dequant(*(pool[name][ids] for name in ("low", "high", "scale", "zero")), dtype)
-            tokens = s + cols_d[:, None] * g + torch.arange(g, device=self.device)      # (pages, G)
-            out[rows_d[:, None], tokens] = pages.transpose(1, 2)
+        width = int((self.lengths + counts).max())
+        out = torch.zeros((self.batch, width, self.heads, self.head_dim), dtype=dtype, device=self.device)
+        seqs, cols = np.nonzero(np.arange(table.ids.shape[1])[None, :] < table.counts[:, None])
+        step = max(1, DEQUANT_ELEMENTS // (self.heads * g * self.head_dim))
+        for i in range(0, len(seqs), step):                         # dequantized pages, a bounded slice at a time
+            self._write_pages(out, kind, dtype, seqs[i:i + step], cols[i:i + step])
         # full-precision part: token t < sink at t, else (after the pages) at sink + t - sink - pages * G
-        t = torch.arange(length, device=self.device)[None, :]
+        t = torch.arange(width, device=self.device)[None, :]
         first = s + table.device_counts[:, None] * g                                 # first buffered token
         src = torch.where(t < s, t, t - first + s)
         take = ((t < s) | (t >= first)) & (t < self.seq_len[:, None]) & (src < fp.shape[2])
         rows, where = take.nonzero(as_tuple=True)
         out[rows, where] = fp[rows, :, src[rows, where]].to(dtype)
+        # the chunk's real tokens right after each sequence's cached ones
+        n = chunk.shape[2]
+        rows, cols = np.nonzero(np.arange(n)[None, :] >= (n - counts)[:, None])
+        rows_d, cols_d, where_d = self.to_device(rows, cols, self.lengths[rows] + cols - (n - counts)[rows])
+        out[rows_d, where_d] = chunk[rows_d, :, cols_d].to(dtype)
         return out.transpose(1, 2)
+
+    def _write_pages(self, out: torch.Tensor, kind: str, dtype: torch.dtype, seqs: np.ndarray,
+                     cols: np.ndarray) -> None:
+        """Dequantize page cols[i] of sequence seqs[i] into its tokens' rows of out (B, L, H, D)."""
+        s, g = self.config.sink, self.config.page_size
+        rows_d, cols_d = self.to_device(seqs, cols)
+        table = self.key_table if kind == "key" else self.value_table
+        ids = table.ids[rows_d, cols_d].long()
+        if kind == "key":
+            pool = self.key_pool.tensors
+            dequant = dequantize.dequantize_keys if self._triton() else dequantize.dequantize_keys_ref
+            pages = dequant(*(pool[name][ids] for name in ("low", "high", "ch", "scale", "zero")), dtype)
+        else:
+            pool = self.value_pool.tensors
+            dequant = dequantize.dequantize_values if self._triton() else dequantize.dequantize_values_ref
+            pages = dequant(*(pool[name][ids] for name in ("low", "high", "scale", "zero")), dtype)
+        tokens = s + cols_d[:, None] * g + torch.arange(g, device=self.device)          # (pages, G)
+        out[rows_d[:, None], tokens] = pages.transpose(1, 2)
 
     # ------------------------------------------------------------------------------------------ graph replay
     def graphable(self) -> bool:

@@ -75,3 +75,20 @@ def test_bench_compare_times_the_pages_comparison(tmp_path):
     assert result["kind"] == "compare" and set(row["tokens"]) == {"fp16", "kivi-k2v2", "kitty"}
     assert set(row["tokens"].values()) == {4} and all(v > 0 for v in row["tokens_per_s"].values())
     assert 0 < row["answers_s"] <= row["with_scoring_s"] and out.with_suffix(".html").exists()
+
+
+def test_bench_generate_with_chunked_prefill(tmp_path):
+    """`generate --prefill-chunk 16`: every method's prompt goes through its cache 16 tokens at a time (a prompt of
+    200 gives kitty-pro a page per layer before its last chunks, which then read it dequantized)."""
+    out = tmp_path / "generate.json"
+    done = subprocess.run([sys.executable, "-m", "backend.bench", "generate", "--quick", "--prefill-chunk", "16",
+                           "--prompt", "200", "--methods", "hf-dynamic", "kitty-pro", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["prefill_chunk"] == 16
+    rows = {row["method"]: row for row in result["rows"]}
+    assert set(rows) == {"hf-dynamic", "kitty-pro"}
+    for row in rows.values():
+        assert "error" not in row and row["prefill_chunk"] == 16 and row["prompt"] == 200
+        assert row["tokens_per_s"] > 0 and row["ttft_ms"] > 0

@@ -366,7 +366,8 @@ def test_dequantized_pages_track_the_keys():
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_a_further_prompt_chunk_attends_over_the_whole_cache(method, use_triton):
     """A chunk of new tokens on a filled, ragged cache (the next turn of a chat): the batched path (pages
-    dequantized in one launch, one masked SDPA) equals causal attention over each sequence's own tokens."""
+    dequantized in batched launches, lower-right causal SDPA) equals causal attention over each sequence's own
+    tokens."""
     gen = torch.Generator().manual_seed(13)
     lengths, n, heads, group, dim = np.array([300, 161]), 7, 2, 3, 64
     k, v = (torch.randn(2, heads, 300, dim, generator=gen).to(DEVICE) for _ in range(2))
@@ -509,3 +510,128 @@ def test_teacher_forcing_in_chunks_between_page_boundaries_equals_one_token_a_st
             diff = (chunked - stepped).abs()
             assert diff.mean() < 1e-3 and diff.max() < 2e-2, (name, diff.mean().item(), diff.max().item())
     assert analysis.page_lengths(make_cache(model, "kitty", flush_spread=2), 5, 229) is None
+
+
+# ---------------------------------------------------------------------------------------------- chunked prefill
+def _sdpa_calls(monkeypatch) -> list[tuple[int, int, int]]:
+    """Record (batch, queries, keys) of every SDPA call given a lower-right causal bias (torch dispatches those to
+    CausalBias._dispatch: flash attention on CUDA) rather than a mask tensor."""
+    from torch.nn.attention.bias import CausalBias
+    calls, dispatch = [], CausalBias._dispatch
+
+    def spy(query, key, value, attn_mask, *args, **kwargs):
+        calls.append((query.shape[0], attn_mask.seq_len_q, attn_mask.seq_len_kv))
+        return dispatch(query, key, value, attn_mask, *args, **kwargs)
+    monkeypatch.setattr(CausalBias, "_dispatch", staticmethod(spy))
+    return calls
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("lengths,counts,calls", [
+    ([300, 300, 300], [7, 7, 7], [(3, 7, 307)]),                         # equal and all real: one call, no mask
+    ([300, 161, 161, 0, 0], [7, 7, 3, 7, 0], [(1, 7, 307), (1, 7, 168), (1, 3, 164), (1, 7, 7)]),   # ragged
+])
+def test_a_chunk_attends_lower_right_with_no_mask_for_equal_and_ragged_lengths(monkeypatch, group, lengths, counts,
+                                                                                calls):
+    """A chunk of n tokens whose last counts[b] are real (left padding before them, as chunked prefill of a ragged
+    batch gives) on a cache holding lengths[b] tokens: each real query attends causally over its sequence's cache as
+    decode reads it (pages dequantized) and its chunk's real tokens; padding rows are zeros, never NaN. Sequences
+    with the same length and count share one SDPA call with a lower-right causal bias, no mask tensor. Pages are
+    dequantized three at a time here (slices across sequences)."""
+    gen = torch.Generator().manual_seed(14)
+    lengths, counts, n, heads, dim = np.array(lengths), np.array(counts), 7, 2, 64
+    monkeypatch.setattr(backend.cache, "DEQUANT_ELEMENTS", 3 * heads * 64 * dim)
+    bsz = len(lengths)
+    k, v = (torch.randn(bsz, heads, 300, dim, generator=gen).to(DEVICE) for _ in range(2))
+    layer = KittyLayer(method_config("kitty-pro", page_size=64, local_window=32), use_triton=False)
+    layer.lazy_initialization(k, v)
+    layer._append(k, v, lengths)
+    q = torch.randn(bsz, heads * group, n, dim, generator=gen).to(DEVICE)
+    new_k, new_v = (torch.randn(bsz, heads, n, dim, generator=gen).half().float().to(DEVICE) for _ in range(2))
+    made = _sdpa_calls(monkeypatch)
+    out = layer._attend_chunk(q, new_k, new_v, 0.125, counts)          # (B, n, HQ, D)
+    assert made == calls
+    paged = layer.paged()
+    for b in range(bsz):
+        pad = n - counts[b]
+        assert out[b, :pad].eq(0).all()
+        if not counts[b]:
+            continue
+        keys, values = kernels.decode_attention.gather_kv(paged, b, torch.float32)
+        keys = torch.cat([keys, new_k[b, :, pad:]], 1).repeat_interleave(group, 0)
+        values = torch.cat([values, new_v[b, :, pad:]], 1).repeat_interleave(group, 0)
+        causal = torch.ones(counts[b], lengths[b] + counts[b], dtype=torch.bool, device=DEVICE).tril(int(lengths[b]))
+        want = torch.nn.functional.scaled_dot_product_attention(q[b, :, pad:], keys, values, attn_mask=causal,
+                                                                scale=0.125)
+        torch.testing.assert_close(out[b, pad:].transpose(0, 1), want, atol=2e-5, rtol=2e-5)
+
+
+def _ragged_prompts(pads: list[int], width: int, seed: int = 15) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of `width` positions, pads[b] of them padding (token 0, mask 0)."""
+    ids = torch.randint(3, 256, (len(pads), width), generator=torch.Generator().manual_seed(seed))
+    mask = (torch.arange(width)[None, :] >= torch.tensor(pads)[:, None]).long()
+    return ids * mask, mask
+
+
+def _greedy_alone(model, ids: torch.Tensor, cuts: list[int], cache, new_tokens: int) -> torch.Tensor:
+    """One unpadded prompt (1, L) fed in chunks ending at `cuts` (then the rest), then greedy decoding: the logits of
+    each generated token (new_tokens, V), as generate() computes them."""
+    ids = ids.to(model.device)
+    logits, start = [], 0
+    with torch.no_grad():
+        for end in [*cuts, ids.shape[1]]:
+            out = model(ids[:, start:end], past_key_values=cache, use_cache=True,
+                        position_ids=torch.arange(start, end, device=model.device)[None])
+            start = end
+        for i in range(new_tokens):
+            logits.append(out.logits[0, -1])
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True,
+                        position_ids=torch.tensor([[start + i]], device=model.device))
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("method", ["kitty-pro", "kivi-k2v2", "kitty-q"])
+@pytest.mark.parametrize("chunk", [16, 13])
+def test_chunked_prefill_of_a_ragged_batch_equals_each_prompt_alone(method, chunk):
+    """generate(prefill_chunk_size=k) on a left-padded batch: every sequence gets the logits and greedy tokens of its
+    prompt run alone in the same chunks (a chunk sees the earlier ones through the cache: pages dequantized). Padding
+    reaches into the second chunk (21), fills the first two (33), or none (0); chunk 13 leaves a last chunk of one
+    token (the decode path)."""
+    model = tiny_model(heads=4, kv_heads=2, layers=2)
+    config = method_config(method, sink=4, page_size=8, local_window=8)
+    width, pads, new_tokens = 40, [0, 21, 5, 33], 6
+    ids, mask = _ragged_prompts(pads, width)
+    out = model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), past_key_values=make_cache(model, config),
+                         max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk,
+                         output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits, 1)
+    assert logits.isfinite().all()
+    for b, pad in enumerate(pads):
+        cuts = [end - pad for end in range(chunk, width, chunk) if end > pad]
+        want = _greedy_alone(model, ids[b:b + 1, pad:], cuts, make_cache(model, config), new_tokens)
+        torch.testing.assert_close(logits[b], want, atol=1e-4, rtol=0)
+        assert torch.equal(out.sequences[b, width:], want.argmax(-1))
+
+
+@pytest.mark.parametrize("method", ["kitty", "kivi-k4v2*", "fp16"])
+def test_chunked_prefill_stores_the_same_tokens_and_pages_as_one_pass(method):
+    """The prompt of a ragged batch in chunks of 16 or at once: the same tokens, pages and used bytes (stats), and
+    layer 0 (whose keys depend only on the embeddings) holds exactly each sequence's own tokens, pages bit for bit."""
+    model = tiny_model(heads=4, kv_heads=2, layers=2)
+    config = method_config(method, sink=4, page_size=8, local_window=8)
+    width, pads = 60, [0, 23, 41]
+    ids, mask = _ragged_prompts(pads, width, seed=16)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    kwargs = dict(attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    reference = DynamicCache(config=model.config)
+    model.generate(ids, past_key_values=reference, **kwargs)
+    stats = []
+    for chunk in (None, 16):
+        cache = make_cache(model, config)
+        model.generate(ids, past_key_values=cache, prefill_chunk_size=chunk, **kwargs)
+        stats.append(cache.stats().summary())
+        stats[-1].pop("bytes_reserved")          # page tables grow (doubling) chunk by chunk: other capacities
+        for b, pad in enumerate(pads):
+            check_layer_content(cache.layers[0], reference.layers[0].keys[b, :, pad:],
+                                reference.layers[0].values[b, :, pad:], b)
+    assert stats[0] == stats[1] and stats[1]["tokens"] == [width - pad for pad in pads]
