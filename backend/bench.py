@@ -18,7 +18,9 @@ generate: a Qwen3-8B-shaped model with random weights under one memory budget: f
 batch that fits, tokens/s there, time to first token, per-step latency p50 / p99 / max, and how much the
 page-boundary quantization steps cost. --prefill-chunk N feeds the prompt through the cache N tokens at a time
 (generate's prefill_chunk_size, for every method): a long prompt's activations and full-precision keys then never
-exist for the whole prompt at once, so the prefill peak no longer limits the batch.
+exist for the whole prompt at once, so the prefill peak no longer limits the batch. On a GPU, Kitty caches replay
+their decode steps as CUDA graphs (backend.graphs; --eager turns that off), transformers' caches run eagerly as
+generate runs them; each row says which.
 
 compare: what a visitor waits for: one comparison of the page (default model, default prompt, the methods at once,
 one thread each) until every answer is complete, and until each is also scored against FP16 (teacher forcing).
@@ -26,6 +28,7 @@ one thread each) until every answer is complete, and until each is also scored a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -45,6 +48,7 @@ from kernels.decode_attention import decode_attention, default_splits  # on a CP
 
 from . import memory
 from .cache import DEQUANT_ELEMENTS, KittyLayer
+from .graphs import CudaGraphDecoding
 from .methods import method_config
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -320,7 +324,9 @@ class StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None):
+def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False):
+    """One timed model.generate; cuda_graphs: replay decode steps as CUDA graphs (backend.graphs) where the cache
+    allows it (Kitty caches with both sides quantized, on a GPU)."""
     from transformers import StoppingCriteriaList
     device = model.device
     ids = torch.randint(100, model.config.vocab_size, (batch, prompt), device=device,
@@ -330,10 +336,12 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefi
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    graphs = CudaGraphDecoding(model) if cuda_graphs else contextlib.nullcontext()
     start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, disable_compile=True,
-                         prefill_chunk_size=prefill_chunk, stopping_criteria=StoppingCriteriaList([clock]))
+    with graphs:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, disable_compile=True,
+                             prefill_chunk_size=prefill_chunk, stopping_criteria=StoppingCriteriaList([clock]))
     total = time.perf_counter() - start
     assert out.shape == (batch, prompt + new_tokens)
     steps = np.diff(np.array(clock.stamps)) * 1e3                  # decode step latencies, ms
@@ -343,6 +351,8 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefi
                seconds=total, tokens_per_s=batch * new_tokens / total,
                decode_tokens_per_s=batch * (new_tokens - 1) / steps.sum() * 1e3, ttft_ms=ttft * 1e3,
                p50_ms=float(np.median(steps)), p99_ms=float(np.percentile(steps, 99)), max_ms=float(steps.max()),
+               cuda_graphs=dict(captures=graphs.captures, replays=graphs.replays, disabled=graphs.disabled)
+               if cuda_graphs else None,
                peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None)
     if quantized:                                     # steps whose token completes a key Q-buffer quantize a page
         cfg = method_config(method)
@@ -369,6 +379,10 @@ def bench_generate(args) -> dict:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         budget = args.budget_gb * 1e9 - weights - 2e9
     for method in methods:
+        # Kitty caches replay their decode steps as CUDA graphs on a GPU unless --eager; transformers' caches run
+        # as generate runs them (eager, disable_compile)
+        graphed = torch.cuda.is_available() and not args.eager and not method.startswith("hf-") \
+            and method_config(method).k_bits < 16 and method_config(method).v_bits < 16
         if torch.cuda.is_available():
             per_seq = (kv_bytes_per_sequence(method, model, prompt + new_tokens)
                        + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk))
@@ -381,8 +395,9 @@ def bench_generate(args) -> dict:
         for attempt in range(4):                      # the layout's estimate, confirmed by really running it
             try:
                 if attempt == 0:                      # warm-up: kernel compilation stays out of the timings
-                    run_generate(model, method, 1, prompt, 4, prefill_chunk=args.prefill_chunk)
-                row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread, args.prefill_chunk)
+                    run_generate(model, method, 1, prompt, 4, prefill_chunk=args.prefill_chunk, cuda_graphs=graphed)
+                row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread, args.prefill_chunk,
+                                   graphed)
                 break
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
@@ -513,6 +528,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="compare: how many comparisons to time")
     parser.add_argument("--flush-spread", type=int, default=1,
                         help="generate: quantize a batch's full buffers over this many steps (1: paper schedule)")
+    parser.add_argument("--eager", action="store_true",
+                        help="generate: no CUDA graphs for Kitty caches (by default their decode steps are replayed)")
     parser.add_argument("--prefill-chunk", type=int,
                         help="generate: feed the prompt through the cache this many tokens at a time, every method "
                              "(generate's prefill_chunk_size; default: the whole prompt in one pass)")
