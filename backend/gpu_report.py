@@ -82,7 +82,8 @@ def main(argv=None) -> int:
                 start = time.monotonic()
                 try:
                     run = subprocess.run(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, timeout=limit,
-                                         env={**env, "PYTHONPATH": cwd or os.getcwd()})
+                                         env={**env, "PYTHONPATH": os.pathsep.join(
+                                             filter(None, [cwd or os.getcwd(), os.environ.get("PYTHONPATH")]))})
                     status[name] = f"exit {run.returncode} in {time.monotonic() - start:.0f} s"
                 except subprocess.TimeoutExpired:
                     status[name] = f"timed out after {limit:.0f} s"
