@@ -121,9 +121,11 @@ def test_graphed_generation_equals_eager_generation(method):
         if graphed:
             with CudaGraphDecoding(model) as graphs:
                 out = model.generate(ids, **kwargs)
-            # every decode step after the first capture replays, page-boundary steps too (a table that grows
-            # costs an eager step and a capture)
-            assert graphs.disabled is None and 1 <= graphs.captures <= 4 and graphs.replays >= 140, vars(graphs)
+            # every decode step replays, page-boundary steps too, except after the page tables grew (doubling: a
+            # few times): then one eager step (two if the next is a page boundary) and a capture. 149 decode steps.
+            assert graphs.disabled is None and 1 <= graphs.captures <= 8, (graphs.captures, graphs.disabled)
+            assert 149 - 3 * graphs.captures <= graphs.replays <= 149 - 2 * graphs.captures, \
+                (graphs.captures, graphs.replays)
         else:
             out = model.generate(ids, **kwargs)
         runs.append((out.sequences, torch.stack(out.scores, 1)))
