@@ -89,6 +89,7 @@ def environment() -> dict:
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": gpu,
             "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__,
+            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "command": "python -m backend.bench " + " ".join(sys.argv[1:])}
 
 
@@ -368,6 +369,9 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefi
 
 
 def bench_generate(args) -> dict:
+    # The batch fills the budget: cached blocks of the prefill's large transients must be reusable by the cache's
+    # later allocations, or the allocator's fragmentation, not the cache, decides the batch (set before CUDA starts)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     model = build_model(args.quick)
     prompt = args.prompt or (512 if not args.quick else 40)
     new_tokens = args.new_tokens or (8192 if not args.quick else 8)
@@ -391,6 +395,7 @@ def bench_generate(args) -> dict:
             batch = max(1, int((budget - fixed) / per_seq)) if not args.batch else args.batch
         else:
             batch = args.batch or 2
+        planned = batch
         row = dict(method=method, batch=batch, prefill_chunk=args.prefill_chunk, error="out of memory")
         for attempt in range(4):                      # the layout's estimate, confirmed by really running it
             try:
@@ -398,6 +403,8 @@ def bench_generate(args) -> dict:
                     run_generate(model, method, 1, prompt, 4, prefill_chunk=args.prefill_chunk, cuda_graphs=graphed)
                 row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread, args.prefill_chunk,
                                    graphed)
+                # how true the plan was: the batch it predicted and how many smaller tries it took
+                row.update(planned_batch=planned, oom_retries=attempt)
                 break
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()

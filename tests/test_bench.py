@@ -39,6 +39,7 @@ def test_bench_quick_writes_results(tmp_path, kind, methods):
             assert row["us"] > 0 and row["vs_sdpa"] > 0
         else:
             assert row["tokens_per_s"] > 0 and row["p50_ms"] > 0 and row["batch"] >= 1
+            assert row["planned_batch"] == row["batch"] and row["oom_retries"] == 0     # no budget on a CPU
     assert out.with_suffix(".html").exists()                 # the Plotly figure of the table
     if BROWSERS:                                             # ... and its PNG, rendered by kaleido in that browser
         assert_png(out.with_suffix(".png"))
@@ -92,3 +93,24 @@ def test_bench_generate_with_chunked_prefill(tmp_path):
     for row in rows.values():
         assert "error" not in row and row["prefill_chunk"] == 16 and row["prompt"] == 200
         assert row["tokens_per_s"] > 0 and row["ttft_ms"] > 0
+
+
+def test_step_profile_quick_splits_ordinary_and_page_boundary_steps(tmp_path):
+    """`python -m backend.step_profile --quick` on the CPU: every decode step is timed and classed, a page-boundary
+    step is profiled (its host operations listed), and transformers' caches have no page-boundary steps."""
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "backend.step_profile", "--quick", "--prompt", "150", "--batch", "2",
+                           "--steps", "30", "--methods", "hf-dynamic", "kitty-pro", "--cuda-graphs", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["hf-dynamic", "kitty-pro", "kitty-pro"]      # kitty-pro eager and graphed
+    hf, kitty, graphed = rows
+    assert "page_boundary" not in hf and hf["ordinary"]["count"] == 30
+    # 150 + i + 1 - 32 sink tokens fill a 128-token key buffer at step i = 9 (and the profile finds the next one)
+    assert kitty["ordinary"]["count"] == 29 and kitty["page_boundary"]["count"] == 1
+    for row in rows:
+        assert row["ordinary"]["step_ms"] > 0 and row["ordinary"]["issue_ms"] > 0
+    assert kitty["page_boundary"]["top_host_ops"] and kitty["page_boundary"]["top_host_ops"][0]["self_cpu_ms"] > 0
+    # on a CPU nothing is replayed: the cache's steps run eagerly, and the row says so
+    assert graphed["cuda_graphs"] == {"captures": 0, "replays": 0, "disabled": None}
