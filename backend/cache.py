@@ -88,8 +88,10 @@ class KittyLayer(CacheLayerMixin):
             "low": ((heads, dq, g), torch.uint8), "high": ((heads, dq if cfg.v_bits == 4 else 0, g), torch.uint8),
             "scale": ((heads, g), SCALE_DTYPE), "zero": ((heads, g), SCALE_DTYPE),
         }, self.device)
-        self.key_table = PageTable(bsz, self.device)
-        self.value_table = PageTable(bsz, self.device)
+        # reserve_tokens sizes the page tables too: a table that grows moves, and a captured decode step with it
+        per_sequence = -(-max(0, self.reserve_tokens - s) // g)
+        self.key_table = PageTable(bsz, self.device, per_sequence if cfg.k_bits < 16 else 0)
+        self.value_table = PageTable(bsz, self.device, per_sequence if cfg.v_bits < 16 else 0)
         self.to_device = DeviceIndices(self.device)
         self.workspace = DecodeWorkspace()
         # Query-aware selection: per sequence, KV head and channel, the sum of q_c^2 over the queries seen so far,
@@ -98,12 +100,11 @@ class KittyLayer(CacheLayerMixin):
         if self.query_aware:
             self.q_energy = torch.zeros((bsz, heads, dim), dtype=torch.float64, device=self.device)
             self.q_energy_at_fill = torch.zeros_like(self.q_energy)
-        if self.reserve_tokens:
-            pages = bsz * -(-max(0, self.reserve_tokens - s) // g)
+        if per_sequence:
             if cfg.k_bits < 16:
-                self.key_pool.reserve(pages)
+                self.key_pool.reserve(bsz * per_sequence)
             if cfg.v_bits < 16:
-                self.value_pool.reserve(pages)
+                self.value_pool.reserve(bsz * per_sequence)
         self.is_initialized = True
 
     def _triton(self) -> bool:

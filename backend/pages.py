@@ -58,10 +58,11 @@ class PagePool:
 
 class PageTable:
     """(batch, max_pages) int32 page ids per sequence, with page counts kept on the host as well (a numpy array:
-    deciding when to quantize needs no GPU sync) and on the device (for the kernels)."""
+    deciding when to quantize needs no GPU sync) and on the device (for the kernels). `columns`: pages per
+    sequence to make room for up front (the table grows by doubling past them)."""
 
-    def __init__(self, batch: int, device):
-        self.ids = torch.full((batch, 0), -1, dtype=torch.int32, device=device)
+    def __init__(self, batch: int, device, columns: int = 0):
+        self.ids = torch.full((batch, columns), -1, dtype=torch.int32, device=device)
         self.counts = np.zeros(batch, dtype=np.int64)
         self.device_counts = torch.zeros(batch, dtype=torch.int32, device=device)
 

@@ -45,12 +45,14 @@ def test_ordinary_steps_are_predicted_and_change_only_the_lengths(method, flush_
             kinds.append(ordinary)
             for layer, old in zip(layers, before):
                 new = host_state(layer)
+                # reserve_tokens covers the run: no step moves a tensor, page-boundary steps neither (one capture)
+                assert new["pointers"] == old["pointers"], i
                 if not ordinary:
                     continue
                 assert new["seen"] == old["seen"] + 1 and np.array_equal(new["lengths"], old["lengths"] + 1)
                 for name in ("key_pages", "value_pages"):
                     assert np.array_equal(new[name], old[name]), (i, name)
-                assert new["in_use"] == old["in_use"] and new["pointers"] == old["pointers"], i
+                assert new["in_use"] == old["in_use"], i
                 if layer.query_aware:
                     assert torch.equal(new["at_fill"], old["at_fill"])
     # both kinds occur; the page-boundary steps are few (one or flush_spread per 32 tokens, per length)
@@ -121,11 +123,11 @@ def test_graphed_generation_equals_eager_generation(method):
         if graphed:
             with CudaGraphDecoding(model) as graphs:
                 out = model.generate(ids, **kwargs)
-            # every decode step replays, page-boundary steps too, except after the page tables grew (doubling: a
-            # few times): then one eager step (two if the next is a page boundary) and a capture. 149 decode steps.
-            assert graphs.disabled is None and 1 <= graphs.captures <= 8, (graphs.captures, graphs.disabled)
-            assert 149 - 3 * graphs.captures <= graphs.replays <= 149 - 2 * graphs.captures, \
-                (graphs.captures, graphs.replays)
+            # 149 decode steps: one eager (two or three when page boundaries come first: a capture waits for an
+            # ordinary step), one captured, every other one replayed, page-boundary steps too (reserve_tokens sized
+            # the pools and tables: nothing the graph reads ever moves)
+            assert graphs.disabled is None and graphs.captures == 1 and 145 <= graphs.replays <= 147, \
+                (graphs.captures, graphs.replays, graphs.disabled)
         else:
             out = model.generate(ids, **kwargs)
         runs.append((out.sequences, torch.stack(out.scores, 1)))
