@@ -18,7 +18,7 @@ from .model import DEFAULT_MODEL, load_model
 
 def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool | None = None,
                record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
-               **settings) -> KittyCache:
+               flush: str = "torch", **settings) -> KittyCache:
     """A fresh cache for one generation. `method` is a preset name (METHODS), "custom", or a CacheConfig;
     keyword settings (k_bits, v_bits, sink, page_size, local_window, alpha, selection, seed) override it.
 
@@ -29,11 +29,16 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     flush_spread: k > 1 spreads the quantization of buffers that fill at the same decode step (a batch of equal
     lengths) over k steps, ceil(B / k) sequences each, so no step stalls on the whole batch's pages; the pages
     are the same, a few tokens just stay full precision a few steps longer. 1 (default) is the paper's schedule.
+    flush: how a decode step's full buffers become pages. "torch" (default): a batched quantize launch per kind
+    between torch ops that choose channels, write the pool and table and shift the buffers (~33 launches a layer).
+    "fused": one Triton kernel per kind does all of that (kernels/flush.py), the same pages (magnitudes up to
+    float32 summation order); Triton also on a CPU (interpreted), whatever use_triton says. Random and query-aware
+    channel selection keep the torch path.
     Switches `model` to the "kitty" attention function, which is plain SDPA for any other cache."""
     config = method if isinstance(method, CacheConfig) else method_config(method, **settings)
     use_kitty_attention(model)
     return KittyCache(config, model.config, use_triton=use_triton, record_magnitudes=record_magnitudes,
-                      reserve_tokens=reserve_tokens, flush_spread=flush_spread)
+                      reserve_tokens=reserve_tokens, flush_spread=flush_spread, flush=flush)
 
 
 __all__ = ["load_model", "make_cache", "METHODS", "PRESETS", "CacheConfig", "method_config", "KittyCache",

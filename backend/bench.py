@@ -2,7 +2,7 @@
 
     python -m backend.bench attention [--batches 1 8 64] [--lengths 4096 32768] [--out results.json]
     python -m backend.bench generate  [--budget-gb 80] [--prompt 512] [--new-tokens 8192] [--flush-spread 8]
-                                      [--prefill-chunk 4096] [--out results.json]
+                                      [--flush fused] [--prefill-chunk 4096] [--out results.json]
     python -m backend.bench generate --quick --prefill-chunk 16       # chunked prefill, tiny shapes on a CPU
     python -m backend.bench attention --quick --out results.json      # tiny shapes on a CPU, under a minute
     python -m backend.bench compare [--methods fp16 kivi-k2v2 kitty] [--new-tokens 64] [--repeat 2]
@@ -47,7 +47,7 @@ import triton.testing
 from kernels.decode_attention import decode_attention, default_splits  # on a CPU: Triton interpreted
 
 from . import memory
-from .cache import DEQUANT_ELEMENTS, KittyLayer
+from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
 from .graphs import CudaGraphDecoding
 from .methods import method_config
 
@@ -299,7 +299,7 @@ def prefill_bytes_per_sequence(method: str, model, prompt: int, chunk: int | Non
     return need
 
 
-def make_peer_cache(method, model, batch, max_len, flush_spread=1):
+def make_peer_cache(method, model, batch, max_len, flush_spread=1, flush="torch"):
     from transformers.cache_utils import DynamicCache, QuantizedCache, StaticCache
 
     from backend import make_cache
@@ -309,7 +309,8 @@ def make_peer_cache(method, model, batch, max_len, flush_spread=1):
         return StaticCache(config=model.config, max_cache_len=max_len)
     if method.startswith("hf-quanto"):
         return QuantizedCache(backend="quanto", config=model.config, nbits=int(method[-1]), residual_length=128)
-    return make_cache(model, method, record_magnitudes=False, reserve_tokens=max_len, flush_spread=flush_spread)
+    return make_cache(model, method, record_magnitudes=False, reserve_tokens=max_len, flush_spread=flush_spread,
+                      flush=flush)
 
 
 class StepClock:
@@ -325,14 +326,15 @@ class StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False):
+def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
+                 flush="torch"):
     """One timed model.generate; cuda_graphs: replay decode steps as CUDA graphs (backend.graphs) where the cache
-    allows it (Kitty caches with both sides quantized, on a GPU)."""
+    allows it (Kitty caches with both sides quantized, on a GPU); flush: how Kitty caches make pages (make_cache)."""
     from transformers import StoppingCriteriaList
     device = model.device
     ids = torch.randint(100, model.config.vocab_size, (batch, prompt), device=device,
                         generator=torch.Generator(device=device).manual_seed(1))
-    cache = make_peer_cache(method, model, batch, prompt + new_tokens, flush_spread)
+    cache = make_peer_cache(method, model, batch, prompt + new_tokens, flush_spread, flush)
     clock = StepClock()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -358,13 +360,13 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefi
     if quantized:                                     # steps whose token completes a key Q-buffer quantize a page
         cfg = method_config(method)
         g = cfg.page_size                             # step i stores token prompt + i: full when (that + 1 - S) % G == 0
-        flush = np.zeros(len(steps), dtype=bool)
+        boundary = np.zeros(len(steps), dtype=bool)
         for late in range(flush_spread):              # with flush_spread k, the pages are made over k steps
-            flush[(g - (prompt + 1 - cfg.sink) % g) % g + late::g] = True
-        row["flush_spread"] = flush_spread
-        median = np.median(steps[~flush])
-        row["flush_steps_ms"] = float(np.mean(steps[flush])) if flush.any() else None
-        row["flush_overhead_pct"] = float(100 * np.clip(steps[flush] - median, 0, None).sum() / steps.sum())
+            boundary[(g - (prompt + 1 - cfg.sink) % g) % g + late::g] = True
+        row["flush_spread"], row["flush"] = flush_spread, flush
+        median = np.median(steps[~boundary])
+        row["flush_steps_ms"] = float(np.mean(steps[boundary])) if boundary.any() else None
+        row["flush_overhead_pct"] = float(100 * np.clip(steps[boundary] - median, 0, None).sum() / steps.sum())
     return row
 
 
@@ -400,9 +402,10 @@ def bench_generate(args) -> dict:
         for attempt in range(4):                      # the layout's estimate, confirmed by really running it
             try:
                 if attempt == 0:                      # warm-up: kernel compilation stays out of the timings
-                    run_generate(model, method, 1, prompt, 4, prefill_chunk=args.prefill_chunk, cuda_graphs=graphed)
+                    run_generate(model, method, 1, prompt, 4, prefill_chunk=args.prefill_chunk, cuda_graphs=graphed,
+                                 flush=args.flush)
                 row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread, args.prefill_chunk,
-                                   graphed)
+                                   graphed, args.flush)
                 # how true the plan was: the batch it predicted and how many smaller tries it took
                 row.update(planned_batch=planned, oom_retries=attempt)
                 break
@@ -535,6 +538,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="compare: how many comparisons to time")
     parser.add_argument("--flush-spread", type=int, default=1,
                         help="generate: quantize a batch's full buffers over this many steps (1: paper schedule)")
+    parser.add_argument("--flush", choices=FLUSH_MODES, default="torch",
+                        help="generate: how Kitty caches turn full buffers into pages at a page boundary ('fused': "
+                             "one Triton kernel per kind, kernels/flush.py)")
     parser.add_argument("--eager", action="store_true",
                         help="generate: no CUDA graphs for Kitty caches (by default their decode steps are replayed)")
     parser.add_argument("--prefill-chunk", type=int,

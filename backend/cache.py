@@ -24,7 +24,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kernels import dequantize, quantize
+from kernels import dequantize, flush, quantize
 from kernels.decode_attention import DecodeWorkspace, decode_attention, decode_attention_ref
 from kernels.layout import FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_bytes, value_page_bytes
 
@@ -32,27 +32,37 @@ from .memory import FP_BYTES, TABLE_ENTRY_BYTES
 from .methods import CacheConfig
 from .pages import DeviceIndices, PagePool, PageTable
 
+# How a decode step's full buffers become pages (KittyLayer's `flush`)
+FLUSH_MODES = ("torch", "fused")
+
 # A further chunk dequantizes its cache's pages this many elements at a time (256 MB in bf16): the transient on
 # top of the dense keys / values it builds stays bounded whatever the batch and length
 DEQUANT_ELEMENTS = 2 ** 27
 
 
 class KittyLayer(CacheLayerMixin):
+    """One attention layer's cache (see the module doc). Options as in backend.make_cache, which documents them."""
+
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
     def __init__(self, config: CacheConfig, layer_idx: int = 0, use_triton: bool | None = None,
-                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1):
+                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
+                 flush: str = "torch"):
         super().__init__()
         if isinstance(flush_spread, bool) or not isinstance(flush_spread, int) or flush_spread < 1:
             raise ValueError(f"flush_spread={flush_spread!r} must be a positive integer (1: the paper's schedule)")
+        if flush not in FLUSH_MODES:
+            raise ValueError(f"flush={flush!r} must be one of {FLUSH_MODES}: 'torch' (default) quantizes a decode "
+                             "step's full buffers with separate torch ops, 'fused' with one Triton kernel per kind")
         self.config = config
         self.layer_idx = layer_idx
         self.use_triton = use_triton            # None: Triton for CUDA tensors, the PyTorch reference otherwise
         self.record_magnitudes = record_magnitudes
         self.reserve_tokens = reserve_tokens    # page storage to set aside per sequence (no reallocation later)
         self.flush_spread = flush_spread        # decode steps over which a batch's full buffers become pages
+        self.flush = flush                      # "torch" or "fused": how a decode step's full buffers become pages
         self.seen = 0                           # positions seen, padding included (what masks are sized by)
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -412,6 +422,9 @@ class KittyLayer(CacheLayerMixin):
             energy = lambda rows_d: self.q_energy_at_fill[rows_d]
         if not len(key_rows) and not len(value_rows):
             return
+        if self._fused_flush():
+            self._flush_in_kernels(key_rows, value_rows)
+            return
         k_index, v_index = self._store_pages(key_rows, value_rows, lambda rows: self.k_fp[rows, :, s:s + g],
                                              lambda rows: self.v_fp[rows, :, s:s + g], energy)
         # what stays full precision moves down by G: tokens that waited (keys), the window and waiters (values)
@@ -443,11 +456,7 @@ class KittyLayer(CacheLayerMixin):
         on the device."""
         cfg = self.config
         use_triton = self._triton()
-        key_ids = self.key_pool.allocate(len(key_rows)) if len(key_rows) else []
-        value_ids = self.value_pool.allocate(len(value_rows)) if len(value_rows) else []
-        key_cols, value_cols = self.key_table.slots(key_rows), self.value_table.slots(value_rows)
-        k_rows, k_ids, k_cols, v_rows, v_ids, v_cols = self.to_device(key_rows, key_ids, key_cols, value_rows,
-                                                                     value_ids, value_cols)
+        key_cols, _, (k_rows, k_ids, k_cols, v_rows, v_ids, v_cols) = self._place_pages(key_rows, value_rows)
         if len(key_rows):
             key_x = key_pages(k_rows)
             ch, magnitude = self._choose_boost(key_x, key_rows, key_cols, key_energy(k_rows) if key_energy else None)
@@ -464,6 +473,39 @@ class KittyLayer(CacheLayerMixin):
             self.value_pool.write(v_ids, low=low, high=high, scale=scale, zero=zero)
             self.value_table.append(value_rows, v_rows, v_cols, v_ids)
         return k_rows, v_rows
+
+    def _place_pages(self, key_rows: np.ndarray, value_rows: np.ndarray):
+        """Page ids from the pools and page-table columns for one new page of each of key_rows and value_rows
+        (sequences, in order). Returns the host columns (key, value) and, from one asynchronous copy, the device
+        tensors k_rows, k_ids, k_cols, v_rows, v_ids, v_cols."""
+        key_ids = self.key_pool.allocate(len(key_rows)) if len(key_rows) else []
+        value_ids = self.value_pool.allocate(len(value_rows)) if len(value_rows) else []
+        key_cols, value_cols = self.key_table.slots(key_rows), self.value_table.slots(value_rows)
+        return key_cols, value_cols, self.to_device(key_rows, key_ids, key_cols, value_rows, value_ids, value_cols)
+
+    def _fused_flush(self) -> bool:
+        """Whether a decode step's full buffers go through the fused kernels (kernels/flush.py): flush="fused" and
+        channels the kernel can choose itself, by magnitude (or all or none boosted). Random and query-aware
+        selection, and subclasses with their own _choose_boost (backend.insights), keep the torch path."""
+        return (self.flush == "fused" and (self.config.selection == "magnitude" or self.n_boost in (0, self.head_dim))
+                and type(self)._choose_boost is KittyLayer._choose_boost)
+
+    def _flush_in_kernels(self, key_rows: np.ndarray, value_rows: np.ndarray) -> None:
+        """_quantize_full_buffers in one launch per kind: each kernel reads the due rows' pages from k_fp / v_fp, writes
+        them into the pool, enters them in the table (device side) and shifts the buffer; the host side of the
+        bookkeeping (pool free list, table counts) is the torch path's. Triton even when use_triton is False: on a
+        CPU under the interpreter (kernels/__init__.py)."""
+        cfg = self.config
+        s, g, wait = cfg.sink, cfg.page_size, self.flush_spread - 1
+        _, _, (k_rows, k_ids, k_cols, v_rows, v_ids, v_cols) = self._place_pages(key_rows, value_rows)
+        if len(key_rows):
+            flush.flush_key_pages(self.k_fp, k_rows, k_ids, k_cols, self.key_pool.tensors, self.key_table.ids,
+                                  self.key_table.device_counts, s, g, self.n_boost, wait, self.record_magnitudes)
+            self.key_table.count(key_rows)
+        if len(value_rows):
+            flush.flush_value_pages(self.v_fp, v_rows, v_ids, v_cols, self.value_pool.tensors, self.value_table.ids,
+                                    self.value_table.device_counts, s, g, cfg.v_bits, cfg.local_window + wait)
+            self.value_table.count(value_rows)
 
     def _choose_boost(self, key_x: torch.Tensor, rows: np.ndarray, cols: np.ndarray,
                       energy: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -606,12 +648,14 @@ class KittyCache(Cache):
     Sliding-window layers (hybrid models) keep transformers' own full-precision sliding cache; stats() says so."""
 
     def __init__(self, config: CacheConfig, model_config, use_triton: bool | None = None,
-                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1):
+                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
+                 flush: str = "torch"):
         text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         layers = []
         for i, kind in enumerate(attention_layer_types(model_config)):
             if kind == "full_attention":
-                layers.append(KittyLayer(config, i, use_triton, record_magnitudes, reserve_tokens, flush_spread))
+                layers.append(KittyLayer(config, i, use_triton, record_magnitudes, reserve_tokens, flush_spread,
+                                         flush))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
         super().__init__(layers=layers)

@@ -84,8 +84,12 @@ class PageTable:
         """Record pages ids at (rows, cols) from `slots`: seqs on the host, the same rows / cols / ids as device
         tensors (see DeviceIndices)."""
         self.ids[rows, cols] = ids.to(torch.int32)
-        self.counts += np.bincount(seqs, minlength=len(self.counts))
         self.device_counts.index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
+        self.count(seqs)
+
+    def count(self, seqs: np.ndarray) -> None:
+        """The host side of `append` alone, for pages whose device side a kernel wrote (kernels/flush.py)."""
+        self.counts += np.bincount(seqs, minlength=len(self.counts))
 
     def pages_of(self, seq: int) -> list[int]:
         return self.ids[seq, :self.counts[seq]].tolist()

@@ -146,47 +146,60 @@ def _key_quarter_codes(src, mask, G4: tl.constexpr, D: tl.constexpr, levels):
 # The tiles are kept 2-D, one per quarter (no 3-D tensors or reshapes): Triton 3.6 fails to compile the 3-D form
 # of these kernels for head_dim 128 (a layout pass breaks SSA dominance).
 @triton.jit
-def _quantize_keys_kernel(x_ptr, ch_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
-                          G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)                              # one (page, head)
+def _quantize_key_page(x_page, ch, boosted, low_page, high_page, scale_page, zero_page,
+                       G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """One (page, head): G tokens of D channels at x_page (token stride D) -> its low / high planes and scale / zero
+    at the *_page pointers. ch (BLOCK_NB,): the boosted channels ascending, BLOCK_D past NB; boosted (BLOCK_D,): the
+    same as a mask. Shared by the page kernel below and the fused page-boundary kernels (flush.py)."""
     G4: tl.constexpr = G // 4
     j = tl.arange(0, BLOCK_G4)
     d = tl.arange(0, BLOCK_D)
     jmask = j < G4
-    x_page = x_ptr + pid * G * D
-    # which channels are boosted: 4-bit levels for them, also in the low plane (it holds their low 2 bits)
+    mask = jmask[:, None] & (d < D)[None, :]
+    # boosted channels get 4-bit levels, also in the low plane (it holds their low 2 bits)
+    c0, c1, c2, c3, scale, zero = _key_quarter_codes(x_page + j[:, None] * D + d[None, :], mask, G4, D,
+                                                     tl.where(boosted, 15.0, 3.0))
+    tl.store(low_page + j[:, None] * D + d[None, :], _pack(c0, c1, c2, c3), mask=mask)
+    tl.store(scale_page + d, scale, mask=d < D)
+    tl.store(zero_page + d, zero, mask=d < D)
+    if NB > 0:
+        # the high plane from the boosted columns read again (same values, so the same scale and codes)
+        r = tl.arange(0, BLOCK_NB)
+        hmask = jmask[:, None] & (r < NB)[None, :]
+        h0, h1, h2, h3, _, _ = _key_quarter_codes(x_page + j[:, None] * D + ch[None, :], hmask, G4, D,
+                                                  tl.full((BLOCK_NB,), 15.0, tl.float32))
+        tl.store(high_page + j[:, None] * NB + r[None, :], _pack(h0 >> 2, h1 >> 2, h2 >> 2, h3 >> 2), mask=hmask)
+
+
+@triton.jit
+def _quantize_keys_kernel(x_ptr, ch_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
+                          G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)                              # one (page, head)
+    d = tl.arange(0, BLOCK_D)
+    ch = tl.full((BLOCK_NB,), BLOCK_D, tl.int32)
     boosted = d < 0
     if NB > 0:
         r = tl.arange(0, BLOCK_NB)
         ch = tl.load(ch_ptr + pid * NB + r, mask=r < NB, other=BLOCK_D).to(tl.int32)
         boosted = tl.max((ch[None, :] == d[:, None]).to(tl.int32), axis=1) > 0
-    mask = jmask[:, None] & (d < D)[None, :]
-    c0, c1, c2, c3, scale, zero = _key_quarter_codes(x_page + j[:, None] * D + d[None, :], mask, G4, D,
-                                                     tl.where(boosted, 15.0, 3.0))
-    tl.store(low_ptr + pid * G4 * D + j[:, None] * D + d[None, :], _pack(c0, c1, c2, c3), mask=mask)
-    tl.store(scale_ptr + pid * D + d, scale, mask=d < D)
-    tl.store(zero_ptr + pid * D + d, zero, mask=d < D)
-    if NB > 0:
-        # the high plane from the boosted columns read again (same values, so the same scale and codes)
-        hmask = jmask[:, None] & (r < NB)[None, :]
-        h0, h1, h2, h3, _, _ = _key_quarter_codes(x_page + j[:, None] * D + ch[None, :], hmask, G4, D,
-                                                  tl.full((BLOCK_NB,), 15.0, tl.float32))
-        tl.store(high_ptr + pid * G4 * NB + j[:, None] * NB + r[None, :], _pack(h0 >> 2, h1 >> 2, h2 >> 2, h3 >> 2),
-                 mask=hmask)
+    _quantize_key_page(x_ptr + pid * G * D, ch, boosted, low_ptr + pid * (G // 4) * D, high_ptr + pid * (G // 4) * NB,
+                       scale_ptr + pid * D, zero_ptr + pid * D, G, D, NB, BLOCK_D, BLOCK_G4, BLOCK_NB)
 
 
 @triton.jit
-def _quantize_values_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
-                            G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                            BLOCK_G: tl.constexpr, BLOCK_D4: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+def _quantize_value_page(x_page, low_page, high_page, scale_page, zero_page,
+                         G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D4: tl.constexpr):
+    """One (page, head): G tokens of D channels at x_page (token stride D) -> its planes and per-token scale / zero
+    at the *_page pointers. Shared by the page kernel below and the fused page-boundary kernel (flush.py)."""
     D4: tl.constexpr = D // 4
     t = tl.arange(0, BLOCK_G)
     c = tl.arange(0, BLOCK_D4)
     tmask = t < G
     mask = tmask[:, None] & (c < D4)[None, :]
-    src = x_ptr + pid * G * D + t[:, None] * D + c[None, :]          # (token, channel c) tile; + i*D4: quarter i
+    src = x_page + t[:, None] * D + c[None, :]                       # (token, channel c) tile; + i*D4: quarter i
     x0 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x1 = tl.load(src + D4, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + 2 * D4, mask=mask, other=0.0).to(tl.float32)
@@ -199,12 +212,22 @@ def _quantize_values_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
     c1 = _encode(x1, mask, s, z, levels)
     c2 = _encode(x2, mask, s, z, levels)
     c3 = _encode(x3, mask, s, z, levels)
-    offs = pid * D4 * G + c[None, :] * G + t[:, None]                # stored (channel byte, token): tokens contiguous
-    tl.store(low_ptr + offs, _pack(c0, c1, c2, c3), mask=mask)
+    offs = c[None, :] * G + t[:, None]                               # stored (channel byte, token): tokens contiguous
+    tl.store(low_page + offs, _pack(c0, c1, c2, c3), mask=mask)
     if BITS == 4:
-        tl.store(high_ptr + offs, _pack(c0 >> 2, c1 >> 2, c2 >> 2, c3 >> 2), mask=mask)
-    tl.store(scale_ptr + pid * G + t, scale, mask=tmask)
-    tl.store(zero_ptr + pid * G + t, zero, mask=tmask)
+        tl.store(high_page + offs, _pack(c0 >> 2, c1 >> 2, c2 >> 2, c3 >> 2), mask=mask)
+    tl.store(scale_page + t, scale, mask=tmask)
+    tl.store(zero_page + t, zero, mask=tmask)
+
+
+@triton.jit
+def _quantize_values_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, zero_ptr,
+                            G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                            BLOCK_G: tl.constexpr, BLOCK_D4: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)                              # one (page, head)
+    plane = pid * (D // 4) * G
+    _quantize_value_page(x_ptr + pid * G * D, low_ptr + plane, high_ptr + plane, scale_ptr + pid * G,
+                         zero_ptr + pid * G, G, D, BITS, BLOCK_G, BLOCK_D4)
 
 
 @triton.jit
