@@ -92,7 +92,9 @@ class KittyLayer(CacheLayerMixin):
         self.key_pool = PagePool({
             "low": ((heads, gq, dim), torch.uint8), "high": ((heads, gq, self.n_boost), torch.uint8),
             "ch": ((heads, self.n_boost), torch.uint8), "scale": ((heads, dim), SCALE_DTYPE),
-            "zero": ((heads, dim), SCALE_DTYPE), "magnitude": ((heads, dim), SCALE_DTYPE),
+            "zero": ((heads, dim), SCALE_DTYPE),
+            # a diagnostic (stats, plots), not part of the cache's bytes: no storage when it is not recorded
+            "magnitude": ((heads, dim if self.record_magnitudes else 0), SCALE_DTYPE),
         }, self.device, diagnostics=("magnitude",))
         self.value_pool = PagePool({
             "low": ((heads, dq, g), torch.uint8), "high": ((heads, dq if cfg.v_bits == 4 else 0, g), torch.uint8),
@@ -554,9 +556,10 @@ class KittyLayer(CacheLayerMixin):
             return empty.bool(), empty
         index = torch.tensor(ids, device=self.device)
         mask = boost_mask(self.key_pool.tensors["ch"][index], self.head_dim)
-        magnitude = self.key_pool.tensors["magnitude"][index].float()
-        if not self.record_magnitudes:
-            magnitude = torch.full_like(magnitude, float("nan"))
+        if self.record_magnitudes:
+            magnitude = self.key_pool.tensors["magnitude"][index].float()
+        else:
+            magnitude = torch.full(mask.shape, float("nan"))
         return mask.cpu(), magnitude.cpu()
 
 

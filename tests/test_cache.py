@@ -290,6 +290,24 @@ def test_memory_matches_the_layout_at_4096_tokens():
     assert stats.layers[0].magnitudes[0].shape == (kp, heads, dim)
 
 
+@pytest.mark.parametrize("flush", ["torch", "fused"])
+def test_magnitudes_not_recorded_take_no_storage(flush):
+    """record_magnitudes=False (the benchmark's setting): the pool keeps no magnitude storage (a diagnostic, 2 of
+    ~80 KB per page pair at Qwen3-8B's shape), stats() says NaN, and the pages are the same as when recorded."""
+    model = tiny_model(heads=4, kv_heads=2, head_dim=64, layers=1)
+    ids = torch.randint(3, 256, (2, 120), generator=torch.Generator().manual_seed(5))
+    caches = [make_cache(model, "kitty-pro", record_magnitudes=recorded, flush=flush, sink=8, page_size=32,
+                         local_window=32) for recorded in (True, False)]
+    for cache in caches:
+        feed(model, ids, cache, prefix=50)
+    recorded, bare = (cache.layers[0] for cache in caches)
+    assert bare.key_pool.tensors["magnitude"].numel() == 0 < recorded.key_pool.tensors["magnitude"].numel()
+    for name in ("low", "high", "ch", "scale", "zero"):
+        assert torch.equal(bare.key_pool.tensors[name], recorded.key_pool.tensors[name]), name
+    (mask, magnitude), (mask_recorded, _) = bare.boost_record(1), recorded.boost_record(1)
+    assert torch.equal(mask, mask_recorded) and magnitude.shape == mask.shape and magnitude.isnan().all()
+
+
 @pytest.mark.parametrize("method", ["fp16", "kivi-k2v2", "kivi-k4v2*", "kitty-pro", "custom"])
 def test_used_bytes_equal_the_projection_at_every_length(method):
     """Step by step through sink, pages and window, on a ragged batch: each sequence's used bytes are
