@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     parser.add_argument("--generate", action="append", metavar="ARGS",
                         help="arguments of one `bench generate` run (repeatable; default: 512 + 256 tokens, "
                              "HF static FP16 and kitty-pro)")
-    parser.add_argument("--pytest", default="tests/test_kernels.py tests/test_cache.py tests/test_graphs.py",
+    parser.add_argument("--pytest", default="tests/test_kernels.py tests/test_cache.py tests/test_graphs.py "
+                        "tests/test_flush.py",
                         help="what the tests step runs: pytest arguments (files, -k EXPR)")
     args = parser.parse_args(argv)
     args.generate = args.generate or ["--prompt 512 --new-tokens 256 --methods hf-static kitty-pro"]
