@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import triton
-from conftest import tiny_model
+from conftest import DEVICE, tiny_model
 from test_cache import feed
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -25,7 +25,7 @@ VALUE_FIELDS = ("low", "high", "scale", "zero")
 def _buffers(batch, heads, tokens, dim, dtype, seed):
     """Random 16-bit buffers; head 0 has two constant channels (scale 0 for keys, no magnitude tie), the last head a
     constant token (scale 0 for values)."""
-    x = torch.randn(batch, heads, tokens, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    x = torch.randn(batch, heads, tokens, dim, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
     x[:, 0, :, 3] = 0.75
     x[:, 0, :, dim - 2] = -1.25
     x[:, -1, 5] = 0.5
@@ -33,7 +33,11 @@ def _buffers(batch, heads, tokens, dim, dtype, seed):
 
 
 def _empty_pool(pages, shapes):
-    return {name: torch.full((pages, *shape), 7, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+    return {name: torch.full((pages, *shape), 7, dtype=dtype, device=DEVICE) for name, (shape, dtype) in shapes.items()}
+
+
+def _indices(*lists):
+    return [torch.tensor(values, device=DEVICE) for values in lists]
 
 
 @pytest.mark.parametrize("dim,n_boost,move,dtype", [(64, 8, 0, torch.float16), (64, 0, 2, torch.bfloat16),
@@ -48,15 +52,17 @@ def test_fused_key_flush_equals_the_references(dim, n_boost, move, dtype):
     pool = _empty_pool(5, {"low": ((heads, g // 4, dim), torch.uint8), "high": ((heads, g // 4, n_boost), torch.uint8),
                            "ch": ((heads, n_boost), torch.uint8), "scale": ((heads, dim), SCALE_DTYPE),
                            "zero": ((heads, dim), SCALE_DTYPE), "magnitude": ((heads, dim), SCALE_DTYPE)})
-    table, counts = torch.full((3, 4), -1, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
-    rows, ids, cols = torch.tensor([0, 2]), torch.tensor([3, 1]), torch.tensor([0, 2])
+    table, counts = torch.full((3, 4), -1, dtype=torch.int32, device=DEVICE), _indices([0, 1, 2])[0].int()
+    rows, ids, cols = _indices([0, 2], [3, 1], [0, 2])
     flush_key_pages(fp, rows, ids, cols, pool, table, counts, sink, g, n_boost, move, record_magnitudes=True)
     x = before[rows, :, sink:sink + g]
     ch, magnitude = choose_boost(x, n_boost)
     want = dict(zip(("low", "high", "scale", "zero"), quantize_keys_ref(x, ch, n_boost)), ch=ch,
                 magnitude=magnitude.to(SCALE_DTYPE))
-    for name in KEY_FIELDS:
+    for name in KEY_FIELDS[:-1]:
         assert torch.equal(pool[name][ids], want[name]), name
+    # magnitudes are sums in another order than torch's on a GPU: equal up to float32 rounding, kept at FP16
+    torch.testing.assert_close(pool["magnitude"][ids], want["magnitude"], rtol=1e-3, atol=0)
     assert (want["scale"] == 0).any()                               # constant channels were among them
     assert table.tolist() == [[3, -1, -1, -1], [-1] * 4, [-1, -1, 1, -1]] and counts.tolist() == [1, 1, 3]
     assert torch.equal(fp[rows, :, sink:sink + move], before[rows, :, sink + g:sink + g + move])
@@ -72,8 +78,9 @@ def test_fused_value_flush_equals_the_references(dim, bits, move):
     pool = _empty_pool(4, {"low": ((heads, dim // 4, g), torch.uint8),
                            "high": ((heads, dim // 4 if bits == 4 else 0, g), torch.uint8),
                            "scale": ((heads, g), SCALE_DTYPE), "zero": ((heads, g), SCALE_DTYPE)})
-    table, counts = torch.full((3, 2), -1, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
-    rows, ids, cols = torch.tensor([1, 2]), torch.tensor([0, 2]), torch.tensor([0, 1])
+    table, counts = torch.full((3, 2), -1, dtype=torch.int32, device=DEVICE), torch.zeros(3, dtype=torch.int32,
+                                                                                         device=DEVICE)
+    rows, ids, cols = _indices([1, 2], [0, 2], [0, 1])
     flush_value_pages(fp, rows, ids, cols, pool, table, counts, sink, g, bits, move)
     want = quantize_values_ref(before[rows, :, sink:sink + g], bits)
     for name, expected in zip(VALUE_FIELDS, want):
@@ -119,6 +126,9 @@ def _assert_same(got, want, where=""):
         assert len(got) == len(want), where
         for i, (g, w) in enumerate(zip(got, want)):
             _assert_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor) and ".magnitude" in where:
+        # a float32 sum in another order on a GPU (the Triton kernel vs torch's norm), kept at FP16: rounding apart
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=0, msg=where)
     elif isinstance(want, torch.Tensor):
         assert torch.equal(got, want), where
     else:
