@@ -14,9 +14,11 @@ layer's own storage, so doing it after the forward instead of inside it changes 
 (`KittyLayer.next_decode_is_ordinary` tells the steps apart on the host). A step is captured when it is ordinary
 and follows an eager step with the same storage (kernels compiled, workspaces allocated), and captured again
 whenever a tensor the step touches moves (a page table or pool that grew, a beam reorder):
-`KittyLayer.storage_pointers`. The attention mask is
-not passed to a decode step here: the decode path reads each sequence's length from the cache, and building the
-mask would synchronize with the GPU; positions are passed as tensors, as the model would compute them. Not thread-safe: one generation at a time per model while it is active.
+`KittyLayer.storage_pointers`; `reserve_tokens` sizes them all up front, so a reserved run captures once.
+
+The attention mask is not passed to a decode step here: the decode path reads each sequence's length from the
+cache, and building the mask would synchronize with the GPU; positions are passed as tensors, as the model would
+compute them. Not thread-safe: one generation at a time per model while it is active.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """CUDA-graph decoding (backend/graphs.py): a replayed step must do exactly what the eager step would.
 
 On a CPU: the facts a replay relies on, checked against real eager steps (which steps are ordinary, what an
-ordinary step changes on the host, that it moves no tensor, that quantizing after the forward changes nothing). On a GPU: graphed generation gives the
-same tokens and logits as eager generation, across page boundaries, for a ragged left-padded batch.
+ordinary step changes on the host, that it moves no tensor, that quantizing after the forward changes nothing).
+On a GPU: graphed generation gives the same tokens and logits as eager generation, across page boundaries, for a
+ragged left-padded batch.
 """
 from __future__ import annotations
 
