@@ -409,7 +409,8 @@ def bench_generate(args) -> dict:
                 # how true the plan was: the batch it predicted and how many smaller tries it took
                 row.update(planned_batch=planned, oom_retries=attempt)
                 break
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError as exc:          # the allocator's own account: used, cached, asked
+                print(f"  {method} at batch {batch}: {str(exc).splitlines()[0][:400]}", file=sys.stderr, flush=True)
                 torch.cuda.empty_cache()
                 batch = int(batch * 0.9)
             except ImportError as exc:                # a peer whose package is missing (optimum-quanto)
