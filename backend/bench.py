@@ -410,7 +410,7 @@ def bench_generate(args) -> dict:
                 row.update(planned_batch=planned, oom_retries=attempt)
                 break
             except torch.OutOfMemoryError as exc:          # the allocator's own account: used, cached, asked
-                print(f"  {method} at batch {batch}: {str(exc).splitlines()[0][:400]}", file=sys.stderr, flush=True)
+                print(f"  {method} at batch {batch}: {str(exc).splitlines()[0][:700]}", file=sys.stderr, flush=True)
                 torch.cuda.empty_cache()
                 batch = int(batch * 0.9)
             except ImportError as exc:                # a peer whose package is missing (optimum-quanto)
