@@ -326,6 +326,21 @@ class StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def page_boundary_steps(method: str, prompt: int, steps: int, flush_spread: int = 1) -> np.ndarray:
+    """Which decode steps make pages. Step i stores token prompt + i; it completes a key Q-buffer (a page is made
+    after its attention) when (prompt + i + 1 - sink) % page_size == 0, and with flush_spread k the pages are made
+    over that step and the k - 1 after it. All False for methods without pages."""
+    flags = np.zeros(steps, dtype=bool)
+    if method.startswith("hf-") or method == "fp16":
+        return flags
+    cfg = method_config(method)
+    i = np.arange(steps)
+    full = ((prompt + i + 1 - cfg.sink) % cfg.page_size == 0) & (prompt + i + 1 > cfg.sink)
+    for late in range(flush_spread):
+        flags[late:] |= full[:steps - late]
+    return flags
+
+
 def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
                  flush="torch"):
     """One timed model.generate; cuda_graphs: replay decode steps as CUDA graphs (backend.graphs) where the cache
@@ -357,12 +372,8 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefi
                cuda_graphs=dict(captures=graphs.captures, replays=graphs.replays, disabled=graphs.disabled)
                if cuda_graphs else None,
                peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None)
-    if quantized:                                     # steps whose token completes a key Q-buffer quantize a page
-        cfg = method_config(method)
-        g = cfg.page_size                             # step i stores token prompt + i: full when (that + 1 - S) % G == 0
-        boundary = np.zeros(len(steps), dtype=bool)
-        for late in range(flush_spread):              # with flush_spread k, the pages are made over k steps
-            boundary[(g - (prompt + 1 - cfg.sink) % g) % g + late::g] = True
+    if quantized:
+        boundary = page_boundary_steps(method, prompt, len(steps), flush_spread)
         row["flush_spread"], row["flush"] = flush_spread, flush
         median = np.median(steps[~boundary])
         row["flush_steps_ms"] = float(np.mean(steps[boundary])) if boundary.any() else None

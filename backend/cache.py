@@ -311,11 +311,8 @@ class KittyLayer(CacheLayerMixin):
         is not ordinary then quantizes (`_quantize_full_buffers`), which reads and writes only this layer's
         storage, so it may as well run after the whole step's forward. Host arithmetic, no sync."""
         cfg = self.config
-        n = self.lengths + 1
-        after_sink = n - np.minimum(n, cfg.sink)
-        return not ((after_sink - self.key_table.counts * cfg.page_size >= cfg.page_size).any()
-                    or (after_sink - self.value_table.counts * cfg.page_size
-                        >= cfg.local_window + cfg.page_size).any())
+        keys, values = self._buffered(self.lengths + 1)
+        return not ((keys >= cfg.page_size).any() or (values >= cfg.local_window + cfg.page_size).any())
 
     def replayed_decode_step(self, ordinary: bool = True) -> None:
         """For a decode step whose insert-and-attend GPU work ran as a graph replay: its host-side effect (`update`
@@ -409,15 +406,15 @@ class KittyLayer(CacheLayerMixin):
         picks them (no GPU sync); one batched launch per kind."""
         cfg = self.config
         s, g, r = cfg.sink, cfg.page_size, cfg.local_window
-        after_sink = self.lengths - np.minimum(self.lengths, s)
+        keys, values = self._buffered(self.lengths)
         none = np.zeros(0, dtype=np.int64)
-        key_rows = self._due(after_sink - self.key_table.counts * g, g) if cfg.k_bits < 16 else none
-        value_rows = self._due(after_sink - self.value_table.counts * g, r + g) if cfg.v_bits < 16 else none
+        key_rows = self._due(keys, g) if cfg.k_bits < 16 else none
+        value_rows = self._due(values, r + g) if cfg.v_bits < 16 else none
         energy = None
         if self.query_aware:
             # a key buffer that filled this step: its page is chosen with the queries up to its last token, also
             # when flush_spread makes it wait for its turn (the same pages as without waiting)
-            filled = np.flatnonzero(after_sink - self.key_table.counts * g == g)
+            filled = np.flatnonzero(keys == g)
             if len(filled):
                 rows_d = self.to_device(filled)[0]
                 self.q_energy_at_fill[rows_d] = self.q_energy[rows_d]
@@ -435,6 +432,13 @@ class KittyLayer(CacheLayerMixin):
             self.k_fp[k_index, :, s:s + wait] = self.k_fp[k_index, :, s + g:s + g + wait]
         if len(value_rows):
             self.v_fp[v_index, :, s:s + r + wait] = self.v_fp[v_index, :, s + g:s + g + r + wait]
+
+    def _buffered(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per sequence of these lengths, the tokens after the sink and the pages made so far: what the key
+        Q-buffer and the value tail hold."""
+        after_sink = lengths - np.minimum(lengths, self.config.sink)
+        g = self.config.page_size
+        return after_sink - self.key_table.counts * g, after_sink - self.value_table.counts * g
 
     def _due(self, buffered: np.ndarray, full: int) -> np.ndarray:
         """Sequences whose buffer (`buffered` tokens, a page once it holds `full`) becomes a page this step.

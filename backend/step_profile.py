@@ -25,9 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .bench import build_model, environment, make_peer_cache
+from .bench import build_model, environment, make_peer_cache, page_boundary_steps
 from .graphs import CudaGraphDecoding
-from .methods import method_config
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
                "aten::_local_scalar_dense", "aten::nonzero", "cudaMemcpy")
@@ -36,17 +35,6 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def page_boundary_steps(method: str, prompt: int, steps: int) -> np.ndarray:
-    """Decode step i stores token prompt + i; it completes a key Q-buffer (a page is made after its attention)
-    when (prompt + i + 1 - sink) % page_size == 0. All False for methods without pages."""
-    flags = np.zeros(steps, dtype=bool)
-    if method.startswith("hf-") or method == "fp16":
-        return flags
-    cfg = method_config(method)
-    i = np.arange(steps)
-    return ((prompt + i + 1 - cfg.sink) % cfg.page_size == 0) & (prompt + i + 1 > cfg.sink)
 
 
 def profile_method(model, method: str, batch: int, prompt: int, steps: int, profiled: int = 3,
