@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.testing
 
-from kernels.decode_attention import decode_attention, default_splits  # on a CPU: Triton interpreted
+from kernels.decode_attention import DECODE_KERNELS, decode_attention, default_splits  # on a CPU: interpreted
 
 from . import memory
 from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
@@ -172,11 +172,12 @@ def bench_attention(args) -> dict:
             for method in methods:
                 layer = filled_layer(method, k, v)
                 kv = layer.paged()
-                out = decode_attention(q, kv, sm_scale)
-                err = (out.float() - reference).abs().max().item()     # vs exact FP16 attention: quantization error
-                seconds = median_seconds(lambda: decode_attention(q, kv, sm_scale), args.quick)
-                rows.append(dict(batch=batch, tokens=length, method=method, us=seconds * 1e6,
-                                 gbs=bytes_read(layer) / seconds / 1e9, vs_sdpa=sdpa_s / seconds, max_err=err))
+                for kernel in args.kernel:
+                    run = lambda: decode_attention(q, kv, sm_scale, kernel=kernel)  # noqa: E731
+                    err = (run().float() - reference).abs().max().item()  # vs exact FP16 attention: quantization error
+                    seconds = median_seconds(run, args.quick)
+                    rows.append(dict(batch=batch, tokens=length, method=method, kernel=kernel, us=seconds * 1e6,
+                                     gbs=bytes_read(layer) / seconds / 1e9, vs_sdpa=sdpa_s / seconds, max_err=err))
                 del layer, kv
             if device == "cuda":
                 for nbits in (4, 2):
@@ -217,19 +218,26 @@ def bench_tune(args) -> dict:
             splits = sorted({chosen, *(max(1, min(pages, -(-pps * sm_count // (batch * h))))
                                        for pps in (1, 2, 4, 8, 16, 32, 64))})
             # the split count at 1 warp / 3 stages, then other warps, pipelining depths and register caps at the
-            # default split (a cap below what the compiler takes buys occupancy with spills)
-            settings = [(1, 3, n, None) for n in splits] + [(w, s, chosen, r) for w, s, r in (
-                (1, 2, None), (1, 4, None), (2, 3, None), (4, 3, None), (1, 3, 168), (1, 3, 128))]
-            for warps, stages, n, regs in settings:
-                run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=n, num_warps=warps,  # noqa: E731
-                                               num_stages=stages, maxnreg=regs)
-                seconds = median_seconds(run, args.quick)
-                rows.append(dict(batch=batch, tokens=length, method=method, warps=warps, stages=stages, splits=n,
-                                 maxnreg=regs, default=(warps, stages, n, regs) == (1, 3, chosen, None),
-                                 us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
-                print(f"{batch:>3} {length:>6} warps {warps} stages {stages} splits {n:>4} maxnreg {regs or '-':>3}"
-                      f"{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
-                      f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
+            # default split (a cap below what the compiler takes buys occupancy with spills); with several kernels,
+            # each one's splits around the default and its register caps (resident programs decide the waves)
+            if len(args.kernel) == 1:
+                settings = [(1, 3, n, None) for n in splits] + [(w, s, chosen, r) for w, s, r in (
+                    (1, 2, None), (1, 4, None), (2, 3, None), (4, 3, None), (1, 3, 168), (1, 3, 128))]
+            else:
+                around = sorted({chosen, max(1, min(pages, chosen * 3 // 2)), max(1, min(pages, chosen * 2))})
+                settings = [(1, 3, n, r) for r in (None, 168, 128) for n in around]
+            for kernel in args.kernel:
+                for warps, stages, n, regs in settings:
+                    run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=n, num_warps=warps,  # noqa: E731
+                                                   num_stages=stages, maxnreg=regs, kernel=kernel)
+                    seconds = median_seconds(run, args.quick)
+                    rows.append(dict(batch=batch, tokens=length, method=method, kernel=kernel, warps=warps,
+                                     stages=stages, splits=n, maxnreg=regs,
+                                     default=(kernel, warps, stages, n, regs) == ("heads-m", 1, 3, chosen, None),
+                                     us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
+                    print(f"{batch:>3} {length:>6} {kernel:>15} warps {warps} stages {stages} splits {n:>4} maxnreg "
+                          f"{regs or '-':>3}{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
+                          f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
             del layer, kv, k, v
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -238,11 +246,11 @@ def bench_tune(args) -> dict:
 
 def print_rows(rows, header=True):
     if header:
-        print(f"{'B':>3} {'L':>6} {'method':>15} {'us':>10} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
+        print(f"{'B':>3} {'L':>6} {'method':>15} {'kernel':>15} {'us':>10} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
     for r in rows:
         err = "" if r.get("max_err") is None else f"{r['max_err']:.3g}"
-        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>15} {r['us']:>10.1f} {r['gbs']:>8.0f} "
-              f"{r['vs_sdpa']:>7.2f}x {err:>9}", flush=True)
+        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>15} {r.get('kernel', ''):>15} {r['us']:>10.1f} "
+              f"{r['gbs']:>8.0f} {r['vs_sdpa']:>7.2f}x {err:>9}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- generate
@@ -495,9 +503,10 @@ def write_figures(result: dict, out: Path) -> list[Path]:
     rows = [r for r in result["rows"] if "error" not in r]
     fig = go.Figure()
     if result["kind"] == "attention":
-        for method in dict.fromkeys(r["method"] for r in rows):
-            sel = [r for r in rows if r["method"] == method]
-            fig.add_bar(name=method, x=[f"B={r['batch']} L={r['tokens']}" for r in sel], y=[r["us"] for r in sel])
+        label = lambda r: r["method"] if r.get("kernel", "heads-m") == "heads-m" else f"{r['method']} ({r['kernel']})"  # noqa: E731
+        for name in dict.fromkeys(label(r) for r in rows):
+            sel = [r for r in rows if label(r) == name]
+            fig.add_bar(name=name, x=[f"B={r['batch']} L={r['tokens']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode attention, median time per call (lower is better)", yaxis_type="log",
                           yaxis_title="microseconds", barmode="group")
     elif result["kind"] == "compare":
@@ -506,9 +515,10 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         fig.update_layout(title=f"One comparison on {result['device']} ({', '.join(rows[0]['tokens'])})",
                           yaxis_title="seconds", barmode="group")
     elif result["kind"] == "tune":
-        for setting in dict.fromkeys((r["warps"], r["stages"], r["maxnreg"]) for r in rows):
-            sel = [r for r in rows if (r["warps"], r["stages"], r["maxnreg"]) == setting]
-            fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}",
+        key = lambda r: (r.get("kernel", "heads-m"), r["warps"], r["stages"], r["maxnreg"])  # noqa: E731
+        for setting in dict.fromkeys(key(r) for r in rows):
+            sel = [r for r in rows if key(r) == setting]
+            fig.add_bar(name=f"{setting[0]}, {setting[1]} warp(s), {setting[2]} stages, maxnreg {setting[3] or '-'}",
                         x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")
@@ -543,6 +553,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--lengths", type=int, nargs="*")
     parser.add_argument("--methods", nargs="*")
+    parser.add_argument("--kernel", nargs="+", default=["heads-m"], choices=DECODE_KERNELS,
+                        help="attention / tune: decode kernels to measure (kernels.decode_attention.DECODE_KERNELS)")
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--prompt", type=int)
     parser.add_argument("--new-tokens", type=int)

@@ -63,8 +63,9 @@ def decode_attention_ref(q: torch.Tensor, kv: PagedKV, sm_scale: float) -> torch
 # that the low byte of each 16-bit half is b0 / b1, or b2 / b3 after >> 8. OR-ing the field at bits 2i into the
 # mantissa of a "magic" float M (bf16 128, fp16 1024: spacing 1 there) gives M + w * code with w = 4^i; one fused
 # multiply-add per pair, (M + w * code) / w - M / w, returns the code exactly. bf16 has 7 mantissa bits, so its
-# fourth field (bits 6-7) is shifted down first (w = 1). Measured against leaving M and w in the operands and
-# taking them out after the products: no faster on the H200, and less accurate for fp16 (BENCHMARKS.md).
+# fourth field (bits 6-7) is shifted down first (w = 1). With offset=True the fma is left out and the operand stays
+# M + w * code; the kernel takes M and w out of the products' sums instead (decode_tokens_m's "tokens-m-offset").
+# For heads-m that was measured no faster on the H200, and less accurate for fp16 (BENCHMARKS.md).
 MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 FIELDS_IN_MANTISSA = {torch.bfloat16: 3, torch.float16: 4}
 
@@ -75,27 +76,41 @@ def _bits16(value: float, dtype: torch.dtype) -> int:
     return half | half << 16
 
 
-def unpack_asm(dtype: torch.dtype) -> str:
+def field_weights(dtype: torch.dtype) -> list[float]:
+    """w of each quarter's operand M + w * code in unpack_asm(dtype, offset=True)."""
+    return [4.0 ** (i if i < FIELDS_IN_MANTISSA[dtype] else 0) for i in range(4)]
+
+
+def unpack_asm(dtype: torch.dtype, offset: bool = False) -> str:
     """PTX: one word of 4 bytes ($8) -> for each quarter i, the 16-bit pairs of field i of bytes (0, 1) in $2i and
-    of bytes (2, 3) in $2i+1, as exact values 0..3 of `dtype`."""
+    of bytes (2, 3) in $2i+1, as exact values 0..3 of `dtype` (offset=True: as M + w_i * code, field_weights)."""
     magic = MAGIC[dtype]
     fma = {torch.bfloat16: "fma.rn.bf16x2", torch.float16: "fma.rn.f16x2"}[dtype]
     lines = ["{ .reg .b32 t, u, v, s, o;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;"]
-    for i in range(4):
+    for i, weight in enumerate(field_weights(dtype)):
         shift = 2 * i                                 # where field i sits; fields past the mantissa move down
         if i >= FIELDS_IN_MANTISSA[dtype]:
             lines += [f"shr.b32 t, t, {shift};", f"shr.b32 u, u, {shift};"]
             shift = 0
-        weight = 4.0 ** (shift // 2)
-        lines += [f"mov.b32 s, {_bits16(1.0 / weight, dtype):#x};", f"mov.b32 o, {_bits16(-magic / weight, dtype):#x};"]
+        if not offset:
+            lines += [f"mov.b32 s, {_bits16(1.0 / weight, dtype):#x};",
+                      f"mov.b32 o, {_bits16(-magic / weight, dtype):#x};"]
         for k, word in enumerate("tu"):
-            lines += [f"lop3.b32 v, {word}, {0x00030003 << shift:#x}, {_bits16(magic, dtype):#x}, 0xea;",
-                      f"{fma} ${2 * i + k}, v, s, o;"]
+            mask = f"{0x00030003 << shift:#x}, {_bits16(magic, dtype):#x}, 0xea;"
+            if offset:
+                lines += [f"lop3.b32 ${2 * i + k}, {word}, {mask}"]
+            else:
+                lines += [f"lop3.b32 v, {word}, {mask}", f"{fma} ${2 * i + k}, v, s, o;"]
     return " ".join(lines) + " }"
 
 
 UNPACK_BF16 = tl.constexpr(unpack_asm(torch.bfloat16))
 UNPACK_FP16 = tl.constexpr(unpack_asm(torch.float16))
+UNPACK_BF16_OFFSET = tl.constexpr(unpack_asm(torch.bfloat16, offset=True))
+# the bf16 operands of the offset unpacking: M + w_i * code (field_weights(torch.bfloat16) = 1, 4, 16, 1)
+OFFSET_MAGIC = tl.constexpr(MAGIC[torch.bfloat16])
+OFFSET_W1 = tl.constexpr(4.0)
+OFFSET_W2 = tl.constexpr(16.0)
 
 
 @triton.jit
@@ -113,6 +128,19 @@ def _quarters(x, DOT: tl.constexpr, ASM: tl.constexpr):
                                          pack=4)
     w = x.to(tl.int32)
     return (w & 3).to(DOT), ((w >> 2) & 3).to(DOT), ((w >> 4) & 3).to(DOT), ((w >> 6) & 3).to(DOT)
+
+
+@triton.jit
+def _quarters_offset(x, DOT: tl.constexpr, ASM: tl.constexpr):
+    """_quarters for bf16 queries, without the last step: quarter i as OFFSET_MAGIC + w_i * code, w = 1, OFFSET_W1,
+    OFFSET_W2, 1 (ASM 1: one lop3 per pair; the interpreter computes the same values in DOT, exactly)."""
+    if ASM == 1:
+        return tl.inline_asm_elementwise(asm=UNPACK_BF16_OFFSET, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x],
+                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
+                                         pack=4)
+    w = x.to(tl.int32)
+    return ((w & 3).to(DOT) + OFFSET_MAGIC, ((w >> 2) & 3).to(DOT) * OFFSET_W1 + OFFSET_MAGIC,
+            ((w >> 4) & 3).to(DOT) * OFFSET_W2 + OFFSET_MAGIC, ((w >> 6) & 3).to(DOT) + OFFSET_MAGIC)
 
 
 KC = tl.constexpr(32)        # channels per key chunk: keeps one chunk's four unpacked quarters in registers
@@ -297,6 +325,25 @@ def _paged_block(q_rows, rmask, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, zacc
     return m_i, l_i, acc0, acc1, acc2, acc3, zacc
 
 
+@triton.jit
+def _program_blocks(seqlen_ptr, nkp_ptr, nvp_ptr, b, part, NSPLIT, S: tl.constexpr, G: tl.constexpr):
+    """Which blocks of sequence b program `part` reads: paged slots [start, end) when part < NSPLIT (the blocks
+    with a key page and a value page, shared evenly), else remaining block `rest` < n_rest (the sink's blocks,
+    then the G-token slots after the paged ones: a key page with full-precision values, the buffers)."""
+    length = tl.load(seqlen_ptr + b)
+    nkp = tl.load(nkp_ptr + b)
+    nvp = tl.load(nvp_ptr + b)
+    n_paged = tl.minimum(nkp, nvp)
+    per_split = tl.cdiv(n_paged, NSPLIT)
+    start = tl.where(part < NSPLIT, part * per_split, 0)
+    end = tl.where(part < NSPLIT, tl.minimum(start + per_split, n_paged), 0)
+    sink_len = tl.minimum(length, S)
+    n_sink_blocks = tl.cdiv(sink_len, G)
+    n_rest = n_sink_blocks + tl.cdiv(length - sink_len, G) - n_paged
+    rest = tl.where(part >= NSPLIT, part - NSPLIT, n_rest)
+    return start, end, rest, n_rest, n_sink_blocks, sink_len, n_paged, length, nkp, nvp
+
+
 # Sizes that grow during generation are not specialized on (Triton would compile a new variant whenever one
 # becomes a multiple of 16, stalling a decode step for a second or more).
 @triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT", "NPART"])
@@ -315,20 +362,8 @@ def _decode_split_kernel(
     part = tl.program_id(2)         # < NSPLIT: a share of the paged blocks; else remaining block part - NSPLIT
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
-
-    length = tl.load(seqlen_ptr + b)
-    nkp = tl.load(nkp_ptr + b)
-    nvp = tl.load(nvp_ptr + b)
-    n_paged = tl.minimum(nkp, nvp)                      # blocks with a key page and a value page
-    per_split = tl.cdiv(n_paged, NSPLIT)
-    start = tl.where(part < NSPLIT, part * per_split, 0)
-    end = tl.where(part < NSPLIT, tl.minimum(start + per_split, n_paged), 0)
-    # the remaining blocks: the sink's, then the G-token slots after the paged ones (a key page with full-precision
-    # values, the buffers); program NSPLIT + r takes the r-th
-    sink_len = tl.minimum(length, S)
-    n_sink_blocks = tl.cdiv(sink_len, G)
-    n_rest = n_sink_blocks + tl.cdiv(length - sink_len, G) - n_paged
-    rest = tl.where(part >= NSPLIT, part - NSPLIT, n_rest)
+    start, end, rest, n_rest, n_sink_blocks, sink_len, n_paged, length, nkp, nvp = _program_blocks(
+        seqlen_ptr, nkp_ptr, nvp_ptr, b, part, NSPLIT, S, G)
 
     rows = tl.arange(0, BLOCK_M)
     rmask = rows < GROUP
@@ -483,10 +518,28 @@ class DecodeWorkspace:
         return self.buffers
 
 
-def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
-    """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
+# Which decode kernel (decode_attention's `kernel`): query heads on the rows of the matrix products (this module's
+# _decode_split_kernel, the default) or tokens / channels on the rows (decode_tokens_m.py, under measurement);
+# "tokens-m-offset" also leaves bf16 code operands as M + w * code (_quarters_offset; fp16 runs as "tokens-m").
+DECODE_KERNELS = ("heads-m", "tokens-m", "tokens-m-offset")
+
+
+def split_kernel(kernel: str = "heads-m"):
+    """The Triton kernel named `kernel` (one of DECODE_KERNELS); both take split_kernel_arguments."""
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode kernel {kernel!r} must be one of {DECODE_KERNELS}")
+    if kernel.startswith("tokens-m"):
+        from .decode_tokens_m import _decode_tokens_m_kernel      # imports this module's helpers: no cycle at load
+        return _decode_tokens_m_kernel
+    return _decode_split_kernel
+
+
+def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int,
+                           kernel: str = "heads-m") -> tuple[tuple, dict]:
+    """Run-time arguments and compile-time constants of split_kernel(kernel) for one launch; parts are the
     (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each.
-    Also used to compile the kernel for a profile."""
+    Also used to compile the kernel for a profile. BLOCK_M is the group's query heads padded to a matrix side:
+    16 rows for heads-m, 8 columns (the instruction's n8) for tokens-m."""
     part_o, part_m, part_l = parts
     bsz, hq, d = q.shape
     h, g = kv.k_fp.shape[1], kv.page_size
@@ -498,20 +551,22 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
                      PREC="ieee" if dot == tl.float32 else "tf32",
                      ASM=0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0),
-                     BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
+                     BLOCK_M=max(16 if kernel == "heads-m" else 8, triton.next_power_of_2(hq // h)),
                      BLOCK_G4=max(16, triton.next_power_of_2(g // 4)), BLOCK_D4=max(16, triton.next_power_of_2(d // 4)),
                      BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)))
+    if kernel.startswith("tokens-m"):
+        constants["OFFSET"] = kernel == "tokens-m-offset" and q.dtype == torch.bfloat16
     return args, constants
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, kernel: str = "heads-m") -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap (defaults
-    tuned on the H200). With a workspace, its buffers are reused (see DecodeWorkspace); without, they are
-    allocated per call."""
+    tuned on the H200); kernel: one of DECODE_KERNELS. With a workspace, its buffers are reused (see
+    DecodeWorkspace); without, they are allocated per call."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     if num_splits is None:
@@ -520,9 +575,10 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     num_parts = num_splits + remaining_blocks(kv)
     q = q.contiguous()
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
-    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits)
+    launch = split_kernel(kernel)
+    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, kernel)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-    _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options)
+    launch[(bsz, h, num_parts)](*args, **constants, **options)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, num_parts, D=d,
                                       BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16, num_warps=1)
     return out
