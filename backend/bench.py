@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.testing
 
-from kernels.decode_attention import DECODE_KERNELS, decode_attention, default_splits  # on a CPU: interpreted
+from kernels.decode_attention import (DECODE_KERNELS, DEFAULT_KERNEL, KERNEL_MAXNREG,  # on a CPU: interpreted
+                                      decode_attention, default_splits, resident_programs)
 
 from . import memory
 from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
@@ -197,8 +198,9 @@ def bench_attention(args) -> dict:
 
 
 def bench_tune(args) -> dict:
-    """The decode kernel's launch settings on one method: warps per program x programs over the paged blocks of
-    each (sequence, KV head), at each shape, with the default choice marked. What the defaults were set from."""
+    """The decode kernels' launch settings on one method, at each shape: programs over the paged blocks of each
+    (sequence, KV head), register caps and pipeline depths, with the default choice marked. What the defaults
+    (default_splits, KERNEL_MAXNREG) were set from."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hq, h, d = (32, 8, 128) if not args.quick else (8, 2, 64)
@@ -214,29 +216,24 @@ def bench_tune(args) -> dict:
             layer = filled_layer(method, k, v)
             kv = layer.paged()
             pages = max(1, kv.k_table.shape[1])
-            chosen = default_splits(batch, h, pages, sm_count)
-            splits = sorted({chosen, *(max(1, min(pages, -(-pps * sm_count // (batch * h))))
-                                       for pps in (1, 2, 4, 8, 16, 32, 64))})
-            # the split count at 1 warp / 3 stages, then other warps, pipelining depths and register caps at the
-            # default split (a cap below what the compiler takes buys occupancy with spills); with several kernels,
-            # each one's splits around the default and its register caps (resident programs decide the waves)
-            if len(args.kernel) == 1:
-                settings = [(1, 3, n, None) for n in splits] + [(w, s, chosen, r) for w, s, r in (
-                    (1, 2, None), (1, 4, None), (2, 3, None), (4, 3, None), (1, 3, 168), (1, 3, 128))]
-            else:
-                around = sorted({chosen, max(1, min(pages, chosen * 3 // 2)), max(1, min(pages, chosen * 2))})
-                settings = [(1, 3, n, r) for r in (None, 168, 128) for n in around]
             for kernel in args.kernel:
-                for warps, stages, n, regs in settings:
+                regs = KERNEL_MAXNREG[kernel]
+                chosen = default_splits(batch, h, pages, sm_count, resident_programs(regs))
+                # the split count around the default (at 1 warp, 3 stages, the kernel's register cap), then at the
+                # default split other register caps (a cap buys resident programs with spills) and pipeline depths
+                splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
+                settings = [(1, 3, n, regs) for n in splits] + [(1, 3, chosen, r) for r in (255, 168, 128, 96)
+                                                                if r != regs] + [(1, 2, chosen, regs), (1, 4, chosen, regs)]
+                for warps, stages, n, cap in settings:
                     run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=n, num_warps=warps,  # noqa: E731
-                                                   num_stages=stages, maxnreg=regs, kernel=kernel)
+                                                   num_stages=stages, maxnreg=cap, kernel=kernel)
                     seconds = median_seconds(run, args.quick)
                     rows.append(dict(batch=batch, tokens=length, method=method, kernel=kernel, warps=warps,
-                                     stages=stages, splits=n, maxnreg=regs,
-                                     default=(kernel, warps, stages, n, regs) == ("heads-m", 1, 3, chosen, None),
+                                     stages=stages, splits=n, maxnreg=cap,
+                                     default=(kernel, warps, stages, n, cap) == (DEFAULT_KERNEL, 1, 3, chosen, regs),
                                      us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
                     print(f"{batch:>3} {length:>6} {kernel:>15} warps {warps} stages {stages} splits {n:>4} maxnreg "
-                          f"{regs or '-':>3}{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
+                          f"{cap:>3}{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
                           f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
             del layer, kv, k, v
             if device == "cuda":
@@ -503,7 +500,7 @@ def write_figures(result: dict, out: Path) -> list[Path]:
     rows = [r for r in result["rows"] if "error" not in r]
     fig = go.Figure()
     if result["kind"] == "attention":
-        label = lambda r: r["method"] if r.get("kernel", "heads-m") == "heads-m" else f"{r['method']} ({r['kernel']})"  # noqa: E731
+        label = lambda r: r["method"] if r.get("kernel", DEFAULT_KERNEL) == DEFAULT_KERNEL else f"{r['method']} ({r['kernel']})"  # noqa: E731
         for name in dict.fromkeys(label(r) for r in rows):
             sel = [r for r in rows if label(r) == name]
             fig.add_bar(name=name, x=[f"B={r['batch']} L={r['tokens']}" for r in sel], y=[r["us"] for r in sel])
@@ -515,7 +512,7 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         fig.update_layout(title=f"One comparison on {result['device']} ({', '.join(rows[0]['tokens'])})",
                           yaxis_title="seconds", barmode="group")
     elif result["kind"] == "tune":
-        key = lambda r: (r.get("kernel", "heads-m"), r["warps"], r["stages"], r["maxnreg"])  # noqa: E731
+        key = lambda r: (r.get("kernel", ""), r["warps"], r["stages"], r["maxnreg"])  # noqa: E731
         for setting in dict.fromkeys(key(r) for r in rows):
             sel = [r for r in rows if key(r) == setting]
             fig.add_bar(name=f"{setting[0]}, {setting[1]} warp(s), {setting[2]} stages, maxnreg {setting[3] or '-'}",
@@ -553,7 +550,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--lengths", type=int, nargs="*")
     parser.add_argument("--methods", nargs="*")
-    parser.add_argument("--kernel", nargs="+", default=["heads-m"], choices=DECODE_KERNELS,
+    parser.add_argument("--kernel", nargs="+", default=[DEFAULT_KERNEL], choices=DECODE_KERNELS,
                         help="attention / tune: decode kernels to measure (kernels.decode_attention.DECODE_KERNELS)")
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--prompt", type=int)

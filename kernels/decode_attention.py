@@ -475,16 +475,22 @@ def dot_dtype(dtype: torch.dtype):
     return tl.float32
 
 
-RESIDENT_PER_SM = 8         # one-warp programs of this kernel resident on an H100 / H200 multiprocessor (255 registers)
-MIN_PAGES_PER_SPLIT = 4     # below this, a program's set-up outweighs its share of pages (unless all fit one wave)
+REGISTERS_PER_SM = 65536      # 32-bit registers of an H100 / H200 multiprocessor (what bounds resident programs here)
+MIN_PAGES_PER_SPLIT = 4       # below this, a program's set-up outweighs its share of pages (unless all fit one wave)
 
 
-def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 132) -> int:
-    """Programs over the paged blocks per (sequence, KV head), in whole waves of resident programs (a wave that
-    is a few programs over costs a whole second wave): one page each when that fits one wave, else two waves
-    for small batches and one for large ones, with at least MIN_PAGES_PER_SPLIT pages each. Fitted to the H200
-    sweep in BENCHMARKS.md (`python -m backend.bench tune`)."""
-    wave = RESIDENT_PER_SM * sm_count
+def resident_programs(maxnreg: int, num_warps: int = 1) -> int:
+    """Programs of the decode kernel resident on one multiprocessor at `maxnreg` registers per thread: 8 one-warp
+    programs at the compiler's 255, 16 at a cap of 128."""
+    return REGISTERS_PER_SM // (32 * num_warps * maxnreg)
+
+
+def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 132, resident: int = 8) -> int:
+    """Programs over the paged blocks per (sequence, KV head), in whole waves of `resident` programs per
+    multiprocessor (a wave that is a few programs over costs a whole second wave): one page each when that fits
+    one wave, else two waves for small batches and one for large ones, with at least MIN_PAGES_PER_SPLIT pages
+    each. Fitted to the H200 sweeps in BENCHMARKS.md (`python -m backend.bench tune`)."""
+    wave = resident * sm_count
     pairs = batch * kv_heads
     if pairs * max_pages <= wave:
         return max(1, max_pages)
@@ -519,12 +525,16 @@ class DecodeWorkspace:
 
 
 # Which decode kernel (decode_attention's `kernel`): query heads on the rows of the matrix products (this module's
-# _decode_split_kernel, the default) or tokens / channels on the rows (decode_tokens_m.py, under measurement);
-# "tokens-m-offset" also leaves bf16 code operands as M + w * code (_quarters_offset; fp16 runs as "tokens-m").
+# _decode_split_kernel) or tokens / channels on the rows (decode_tokens_m.py); "tokens-m-offset" (the default,
+# fastest at every shape measured on the H200) also leaves bf16 code operands as M + w * code (_quarters_offset;
+# fp16 runs as "tokens-m"). Each kernel's register cap per thread: the fastest measured (BENCHMARKS.md section 1);
+# tokens-m's spills a little at 128, and its 16 resident programs per multiprocessor more than pay for that.
 DECODE_KERNELS = ("heads-m", "tokens-m", "tokens-m-offset")
+DEFAULT_KERNEL = "tokens-m-offset"
+KERNEL_MAXNREG = {"heads-m": 255, "tokens-m": 128, "tokens-m-offset": 128}
 
 
-def split_kernel(kernel: str = "heads-m"):
+def split_kernel(kernel: str = DEFAULT_KERNEL):
     """The Triton kernel named `kernel` (one of DECODE_KERNELS); both take split_kernel_arguments."""
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode kernel {kernel!r} must be one of {DECODE_KERNELS}")
@@ -535,7 +545,7 @@ def split_kernel(kernel: str = "heads-m"):
 
 
 def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int,
-                           kernel: str = "heads-m") -> tuple[tuple, dict]:
+                           kernel: str = DEFAULT_KERNEL) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of split_kernel(kernel) for one launch; parts are the
     (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each.
     Also used to compile the kernel for a profile. BLOCK_M is the group's query heads padded to a matrix side:
@@ -561,23 +571,26 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, kernel: str = "heads-m") -> torch.Tensor:
+                     maxnreg: int | None = None, kernel: str = DEFAULT_KERNEL) -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
-    num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap (defaults
-    tuned on the H200); kernel: one of DECODE_KERNELS. With a workspace, its buffers are reused (see
-    DecodeWorkspace); without, they are allocated per call."""
+    num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
+    (defaults tuned on the H200; maxnreg None: KERNEL_MAXNREG[kernel], 255 leaves it to the compiler); kernel: one
+    of DECODE_KERNELS. With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated
+    per call."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
+    launch = split_kernel(kernel)
+    maxnreg = maxnreg or KERNEL_MAXNREG[kernel]
     if num_splits is None:
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        num_splits = default_splits(bsz, h, max(1, kv.k_table.shape[1]), sm_count)
+        num_splits = default_splits(bsz, h, max(1, kv.k_table.shape[1]), sm_count,
+                                    resident_programs(maxnreg, num_warps))
     num_parts = num_splits + remaining_blocks(kv)
     q = q.contiguous()
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
-    launch = split_kernel(kernel)
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, kernel)
-    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     launch[(bsz, h, num_parts)](*args, **constants, **options)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, num_parts, D=d,
                                       BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16, num_warps=1)

@@ -49,12 +49,15 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None, kernel: str = "heads-m"):
+                         maxnreg: int | None = None, kernel: str | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.decode_attention import remaining_blocks, split_kernel, split_kernel_arguments
+    from kernels.decode_attention import (DEFAULT_KERNEL, KERNEL_MAXNREG, remaining_blocks, split_kernel,
+                                          split_kernel_arguments)
+    kernel = kernel or DEFAULT_KERNEL
+    maxnreg = maxnreg or KERNEL_MAXNREG[kernel]
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     n = splits + remaining_blocks(kv)
@@ -72,7 +75,7 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
             signature[name] = "fp32" if isinstance(value, float) else "i32"
     signature.update({name: "constexpr" for name in constants})
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {})}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -103,8 +106,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (Hopper: 90)")
     parser.add_argument("--warps", type=int, default=1, help="warps per program (decode_attention's num_warps)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
-    parser.add_argument("--maxnreg", type=int, help="register cap per thread (default: the compiler's choice)")
-    parser.add_argument("--kernel", default="heads-m", help="decode kernel (kernels.decode_attention.DECODE_KERNELS)")
+    parser.add_argument("--maxnreg", type=int, help="register cap per thread (default: the kernel's, as decode_attention; 255: the compiler's choice)")
+    parser.add_argument("--kernel", help="decode kernel (kernels.decode_attention.DECODE_KERNELS; default: DEFAULT_KERNEL)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run with TRITON_INTERPRET=0: without a GPU, importing kernels/ turns Triton's interpreter on, "
