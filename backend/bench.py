@@ -44,8 +44,7 @@ import torch
 import triton
 import triton.testing
 
-from kernels.decode_attention import (DECODE_KERNELS, DEFAULT_KERNEL, KERNEL_MAXNREG,  # on a CPU: interpreted
-                                      decode_attention, default_splits, resident_programs)
+from kernels.decode_attention import MAXNREG, decode_attention, default_splits  # on a CPU: Triton interpreted
 
 from . import memory
 from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
@@ -173,12 +172,11 @@ def bench_attention(args) -> dict:
             for method in methods:
                 layer = filled_layer(method, k, v)
                 kv = layer.paged()
-                for kernel in args.kernel:
-                    run = lambda: decode_attention(q, kv, sm_scale, kernel=kernel)  # noqa: E731
-                    err = (run().float() - reference).abs().max().item()  # vs exact FP16 attention: quantization error
-                    seconds = median_seconds(run, args.quick)
-                    rows.append(dict(batch=batch, tokens=length, method=method, kernel=kernel, us=seconds * 1e6,
-                                     gbs=bytes_read(layer) / seconds / 1e9, vs_sdpa=sdpa_s / seconds, max_err=err))
+                out = decode_attention(q, kv, sm_scale)
+                err = (out.float() - reference).abs().max().item()     # vs exact FP16 attention: quantization error
+                seconds = median_seconds(lambda: decode_attention(q, kv, sm_scale), args.quick)
+                rows.append(dict(batch=batch, tokens=length, method=method, us=seconds * 1e6,
+                                 gbs=bytes_read(layer) / seconds / 1e9, vs_sdpa=sdpa_s / seconds, max_err=err))
                 del layer, kv
             if device == "cuda":
                 for nbits in (4, 2):
@@ -198,9 +196,9 @@ def bench_attention(args) -> dict:
 
 
 def bench_tune(args) -> dict:
-    """The decode kernels' launch settings on one method, at each shape: programs over the paged blocks of each
+    """The decode kernel's launch settings on one method, at each shape: programs over the paged blocks of each
     (sequence, KV head), register caps and pipeline depths, with the default choice marked. What the defaults
-    (default_splits, KERNEL_MAXNREG) were set from."""
+    (default_splits, MAXNREG) were set from."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hq, h, d = (32, 8, 128) if not args.quick else (8, 2, 64)
@@ -216,25 +214,23 @@ def bench_tune(args) -> dict:
             layer = filled_layer(method, k, v)
             kv = layer.paged()
             pages = max(1, kv.k_table.shape[1])
-            for kernel in args.kernel:
-                regs = KERNEL_MAXNREG[kernel]
-                chosen = default_splits(batch, h, pages, sm_count, resident_programs(regs))
-                # the split count around the default (at 1 warp, 3 stages, the kernel's register cap), then at the
-                # default split other register caps (a cap buys resident programs with spills) and pipeline depths
-                splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-                settings = [(1, 3, n, regs) for n in splits] + [(1, 3, chosen, r) for r in (255, 168, 128, 96)
-                                                                if r != regs] + [(1, 2, chosen, regs), (1, 4, chosen, regs)]
-                for warps, stages, n, cap in settings:
-                    run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=n, num_warps=warps,  # noqa: E731
-                                                   num_stages=stages, maxnreg=cap, kernel=kernel)
-                    seconds = median_seconds(run, args.quick)
-                    rows.append(dict(batch=batch, tokens=length, method=method, kernel=kernel, warps=warps,
-                                     stages=stages, splits=n, maxnreg=cap,
-                                     default=(kernel, warps, stages, n, cap) == (DEFAULT_KERNEL, 1, 3, chosen, regs),
-                                     us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
-                    print(f"{batch:>3} {length:>6} {kernel:>15} warps {warps} stages {stages} splits {n:>4} maxnreg "
-                          f"{cap:>3}{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
-                          f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
+            chosen = default_splits(batch, h, pages, sm_count)
+            # the split count around the default (1 warp, 3 stages, register cap MAXNREG), then at the default split
+            # other register caps (a cap buys resident programs with spills) and pipeline depths
+            splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
+            settings = [(1, 3, n, MAXNREG) for n in splits] + [(1, 3, chosen, r) for r in (255, 168, 128, 96)
+                                                               if r != MAXNREG] + [(1, 2, chosen, MAXNREG),
+                                                                                   (1, 4, chosen, MAXNREG)]
+            for warps, stages, n, cap in settings:
+                run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=n, num_warps=warps,  # noqa: E731
+                                               num_stages=stages, maxnreg=cap)
+                seconds = median_seconds(run, args.quick)
+                rows.append(dict(batch=batch, tokens=length, method=method, warps=warps, stages=stages, splits=n,
+                                 maxnreg=cap, default=(warps, stages, n, cap) == (1, 3, chosen, MAXNREG),
+                                 us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
+                print(f"{batch:>3} {length:>6} warps {warps} stages {stages} splits {n:>4} maxnreg {cap:>3}"
+                      f"{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
+                      f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
             del layer, kv, k, v
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -243,11 +239,11 @@ def bench_tune(args) -> dict:
 
 def print_rows(rows, header=True):
     if header:
-        print(f"{'B':>3} {'L':>6} {'method':>15} {'kernel':>15} {'us':>10} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
+        print(f"{'B':>3} {'L':>6} {'method':>15} {'us':>10} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
     for r in rows:
         err = "" if r.get("max_err") is None else f"{r['max_err']:.3g}"
-        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>15} {r.get('kernel', ''):>15} {r['us']:>10.1f} "
-              f"{r['gbs']:>8.0f} {r['vs_sdpa']:>7.2f}x {err:>9}", flush=True)
+        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>15} {r['us']:>10.1f} {r['gbs']:>8.0f} "
+              f"{r['vs_sdpa']:>7.2f}x {err:>9}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- generate
@@ -500,10 +496,9 @@ def write_figures(result: dict, out: Path) -> list[Path]:
     rows = [r for r in result["rows"] if "error" not in r]
     fig = go.Figure()
     if result["kind"] == "attention":
-        label = lambda r: r["method"] if r.get("kernel", DEFAULT_KERNEL) == DEFAULT_KERNEL else f"{r['method']} ({r['kernel']})"  # noqa: E731
-        for name in dict.fromkeys(label(r) for r in rows):
-            sel = [r for r in rows if label(r) == name]
-            fig.add_bar(name=name, x=[f"B={r['batch']} L={r['tokens']}" for r in sel], y=[r["us"] for r in sel])
+        for method in dict.fromkeys(r["method"] for r in rows):
+            sel = [r for r in rows if r["method"] == method]
+            fig.add_bar(name=method, x=[f"B={r['batch']} L={r['tokens']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode attention, median time per call (lower is better)", yaxis_type="log",
                           yaxis_title="microseconds", barmode="group")
     elif result["kind"] == "compare":
@@ -512,10 +507,9 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         fig.update_layout(title=f"One comparison on {result['device']} ({', '.join(rows[0]['tokens'])})",
                           yaxis_title="seconds", barmode="group")
     elif result["kind"] == "tune":
-        key = lambda r: (r.get("kernel", ""), r["warps"], r["stages"], r["maxnreg"])  # noqa: E731
-        for setting in dict.fromkeys(key(r) for r in rows):
-            sel = [r for r in rows if key(r) == setting]
-            fig.add_bar(name=f"{setting[0]}, {setting[1]} warp(s), {setting[2]} stages, maxnreg {setting[3] or '-'}",
+        for setting in dict.fromkeys((r["warps"], r["stages"], r["maxnreg"]) for r in rows):
+            sel = [r for r in rows if (r["warps"], r["stages"], r["maxnreg"]) == setting]
+            fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}",
                         x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")
@@ -550,8 +544,6 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--lengths", type=int, nargs="*")
     parser.add_argument("--methods", nargs="*")
-    parser.add_argument("--kernel", nargs="+", default=[DEFAULT_KERNEL], choices=DECODE_KERNELS,
-                        help="attention / tune: decode kernels to measure (kernels.decode_attention.DECODE_KERNELS)")
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--prompt", type=int)
     parser.add_argument("--new-tokens", type=int)

@@ -2,7 +2,7 @@
 attention table, the launch-setting sweep, a generation table, and (when a checkout of an earlier commit is
 given) the earlier kernel's attention table measured in the same run.
 
-    python -m backend.gpu_report --out DIR [--steps tests attention tune generate] [--baseline PATH] [--kernel K ...]
+    python -m backend.gpu_report --out DIR [--steps tests attention tune generate] [--baseline PATH]
                                  [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...]
                                  [--pytest "tests/test_graphs.py -k graphed"]
 
@@ -30,9 +30,8 @@ def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None
     return {
         "tests": [([py, "-m", "pytest", "-q", "-rf", "--tb=short", "-p", "no:cacheprovider", *xdist,
                     *shlex.split(args.pytest)], None)],
-        "attention": [([py, "-m", "backend.bench", "attention", "--kernel", *args.kernel,
-                        "--out", str(out / "attention.json")], None)],
-        "tune": [([py, "-m", "backend.bench", "tune", "--kernel", *args.kernel, "--out", str(out / "tune.json")], None)],
+        "attention": [([py, "-m", "backend.bench", "attention", "--out", str(out / "attention.json")], None)],
+        "tune": [([py, "-m", "backend.bench", "tune", "--out", str(out / "tune.json")], None)],
         "baseline": [([py, "-m", "backend.bench", "attention", "--methods", "kitty-pro", "kivi-k2v2",
                        "--out", str(out / "baseline.json")], args.baseline)],
         "generate": [([py, "-m", "backend.bench", "generate", *shlex.split(extra),
@@ -56,8 +55,6 @@ def main(argv=None) -> int:
     parser.add_argument("--generate", action="append", metavar="ARGS",
                         help="arguments of one `bench generate` run (repeatable; default: 512 + 256 tokens, "
                              "HF static FP16 and kitty-pro)")
-    parser.add_argument("--kernel", nargs="+", default=["heads-m"],
-                        help="attention and tune steps: the decode kernels to measure (bench's --kernel)")
     parser.add_argument("--pytest", default="tests/test_kernels.py tests/test_cache.py tests/test_graphs.py "
                         "tests/test_flush.py",
                         help="what the tests step runs: pytest arguments (files, -k EXPR)")

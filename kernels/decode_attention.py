@@ -2,9 +2,9 @@
 
 Flash-decoding: each (sequence, KV head) gets NSPLIT programs that share its blocks where both a key page and a
 value page exist (a loop without branches, which Triton software-pipelines), plus one program per remaining
-block (the sink, a key page whose values are still in the window, the buffers). Each runs an online softmax with
-all query heads of the KV group in the rows of one tile and writes a partial (max, sum, output); a small second
-kernel merges them with log-sum-exp weights. No score tensor and no full-precision copy of the cache reach memory.
+block (the sink, a key page whose values are still in the window, the buffers). Each runs an online softmax for
+all query heads of the KV group and writes a partial (max, sum, output); a small second kernel merges them with
+log-sum-exp weights. No score tensor and no full-precision copy of the cache reach memory.
 
 Dequantization is folded into the two products (exact algebra):
     q . k_t = sum_d (q_d * scale_d) * code_dt + sum_d q_d * zero_d           (keys: per-channel scale / zero)
@@ -14,6 +14,15 @@ contracted dimension contiguous and puts a byte's four 2-bit fields in four quar
 a 32-bit word of page data holds 4 contracted elements of each of 4 quarters, already in the order the matrix
 units read them, and becomes 16 operand values with bit operations (`_quarters`): no shifting of tiles between
 threads. Keys give scores by token quarter, values accumulate by channel quarter.
+
+The products are written with the codes as the first operand, tokens (keys) or channels (values) on the rows of
+the matrix instruction and the group's query heads on its columns:
+    scores^T (tokens, heads)   = codes_k (tokens, channels) @ (q * scale)^T (channels, heads)
+    out^T    (channels, heads) = codes_v (channels, tokens) @ (p * scale)^T (tokens, heads)
+A tensor-core tile has 16 rows but only 8 columns, and a Qwen3-8B group has 4 query heads: with the heads on the
+rows (the previous kernel) three quarters of every score and output tile were padding, which cost 4x the softmax
+arithmetic and accumulator registers and held the kernel at 255 registers; on the columns half is padding, the
+kernel runs at 128 registers with 16 programs per multiprocessor and is 1.3-1.6x faster (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -63,9 +72,10 @@ def decode_attention_ref(q: torch.Tensor, kv: PagedKV, sm_scale: float) -> torch
 # that the low byte of each 16-bit half is b0 / b1, or b2 / b3 after >> 8. OR-ing the field at bits 2i into the
 # mantissa of a "magic" float M (bf16 128, fp16 1024: spacing 1 there) gives M + w * code with w = 4^i; one fused
 # multiply-add per pair, (M + w * code) / w - M / w, returns the code exactly. bf16 has 7 mantissa bits, so its
-# fourth field (bits 6-7) is shifted down first (w = 1). With offset=True the fma is left out and the operand stays
-# M + w * code; the kernel takes M and w out of the products' sums instead (decode_tokens_m's "tokens-m-offset").
-# For heads-m that was measured no faster on the H200, and less accurate for fp16 (BENCHMARKS.md).
+# fourth field (bits 6-7) is shifted down first (w = 1). With offset=True (the kernel's bf16 path) the fma is left
+# out and the operand stays M + w * code; the kernel takes M and w out of the products' fp32 sums instead, one
+# multiply-add per score or output element instead of one per pair of code elements. Not for fp16: its M = 1024
+# leaves 8x fewer bits after the offset cancels, measured past the tests' tolerance (BENCHMARKS.md).
 MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 FIELDS_IN_MANTISSA = {torch.bfloat16: 3, torch.float16: 4}
 
@@ -104,7 +114,6 @@ def unpack_asm(dtype: torch.dtype, offset: bool = False) -> str:
     return " ".join(lines) + " }"
 
 
-UNPACK_BF16 = tl.constexpr(unpack_asm(torch.bfloat16))
 UNPACK_FP16 = tl.constexpr(unpack_asm(torch.float16))
 UNPACK_BF16_OFFSET = tl.constexpr(unpack_asm(torch.bfloat16, offset=True))
 # the bf16 operands of the offset unpacking: M + w_i * code (field_weights(torch.bfloat16) = 1, 4, 16, 1)
@@ -115,13 +124,9 @@ OFFSET_W2 = tl.constexpr(16.0)
 
 @triton.jit
 def _quarters(x, DOT: tl.constexpr, ASM: tl.constexpr):
-    """A uint8 tile -> its four 2-bit fields as DOT tiles, quarter i = bits 2i. ASM 1 / 2 (compiled, bf16 / fp16
-    operands): the bit trick above, 4 bytes per 32-bit word; 0 (any dtype, the interpreter): shifts and
-    conversions."""
-    if ASM == 1:
-        return tl.inline_asm_elementwise(asm=UNPACK_BF16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x],
-                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
-                                         pack=4)
+    """A uint8 tile -> its four 2-bit fields as DOT tiles, quarter i = bits 2i. ASM 2 (compiled, fp16 operands):
+    the bit trick above, 4 bytes per 32-bit word; 0 (any dtype, the interpreter): shifts and conversions. (bf16
+    operands take _quarters_offset.)"""
     if ASM == 2:
         return tl.inline_asm_elementwise(asm=UNPACK_FP16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x],
                                          dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
@@ -147,185 +152,6 @@ KC = tl.constexpr(32)        # channels per key chunk: keeps one chunk's four un
 
 
 @triton.jit
-def _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, page,
-                     D: tl.constexpr, G4: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """Scores in log2 units (qk_scale = sm_scale * log2 e applied) of the 4 token quarters of key page `page`
-    (= page id * H + head), read KC channels at a time. q_rows: (BLOCK_M,) pointers to the query rows, rmask:
-    the real ones."""
-    j = tl.arange(0, BLOCK_G4)
-    jmask = (j < G4)[None, :]
-    s0 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
-    s1 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
-    s2 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
-    s3 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
-    zq = tl.zeros((BLOCK_M,), tl.float32)
-    for chunk in tl.static_range(0, D, KC):
-        d = chunk + tl.arange(0, KC)
-        dmask = d < D
-        q = tl.load(q_rows[:, None] + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        q = q * qk_scale
-        scale = tl.load(kscale_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
-        zero = tl.load(kzero_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
-        zq += tl.sum(q * zero[None, :], axis=1)
-        a = (q * scale[None, :]).to(DOT)
-        tile = tl.load(klow_ptr + page * (G4 * D) + j[None, :] * D + d[:, None], mask=dmask[:, None] & jmask,
-                       other=0)                                                 # (channel, token-in-quarter)
-        k0, k1, k2, k3 = _quarters(tile, DOT, ASM)
-        s0 = tl.dot(a, k0, s0, input_precision=PREC)
-        s1 = tl.dot(a, k1, s1, input_precision=PREC)
-        s2 = tl.dot(a, k2, s2, input_precision=PREC)
-        s3 = tl.dot(a, k3, s3, input_precision=PREC)
-    if NB > 0:
-        # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
-        r = tl.arange(0, BLOCK_NB)
-        nbmask = r < NB
-        ch = tl.load(kch_ptr + page * NB + r, mask=nbmask, other=0).to(tl.int32)
-        ch_scale = tl.load(kscale_ptr + page * D + ch, mask=nbmask, other=0.0).to(tl.float32)
-        q_ch = tl.load(q_rows[:, None] + ch[None, :], mask=rmask[:, None] & nbmask[None, :], other=0.0)
-        a = (q_ch.to(tl.float32) * qk_scale * (4.0 * ch_scale)[None, :]).to(DOT)
-        tile = tl.load(khigh_ptr + page * (G4 * NB) + j[None, :] * NB + r[:, None], mask=nbmask[:, None] & jmask,
-                       other=0)
-        h0, h1, h2, h3 = _quarters(tile, DOT, ASM)
-        s0 = tl.dot(a, h0, s0, input_precision=PREC)
-        s1 = tl.dot(a, h1, s1, input_precision=PREC)
-        s2 = tl.dot(a, h2, s2, input_precision=PREC)
-        s3 = tl.dot(a, h3, s3, input_precision=PREC)
-    zq = zq[:, None]
-    return s0 + zq, s1 + zq, s2 + zq, s3 + zq
-
-
-@triton.jit
-def _fp_key_scores(q_rows, rmask, qk_scale, kfp_ptr, row0, n_valid, D: tl.constexpr, G4: tl.constexpr,
-                   DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr):
-    """Scores in log2 units of the 4 token quarters of up to 4*G4 full-precision keys from row `row0` of k_fp."""
-    j = tl.arange(0, BLOCK_G4)
-    s0 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
-    s1 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
-    s2 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
-    s3 = tl.zeros((BLOCK_M, BLOCK_G4), tl.float32)
-    for chunk in tl.static_range(0, D, KC):
-        d = chunk + tl.arange(0, KC)
-        dmask = d < D
-        q = tl.load(q_rows[:, None] + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-        q = (q.to(tl.float32) * qk_scale).to(DOT)
-        ptrs = kfp_ptr + (row0 + j[None, :]).to(tl.int64) * D + d[:, None]
-        mask = dmask[:, None] & (j < G4)[None, :]
-        s0 = tl.dot(q, tl.load(ptrs, mask=mask & (j < n_valid)[None, :], other=0.0).to(DOT), s0,
-                    input_precision=PREC)
-        s1 = tl.dot(q, tl.load(ptrs + G4 * D, mask=mask & (G4 + j < n_valid)[None, :], other=0.0).to(DOT), s1,
-                    input_precision=PREC)
-        s2 = tl.dot(q, tl.load(ptrs + 2 * G4 * D, mask=mask & (2 * G4 + j < n_valid)[None, :], other=0.0).to(DOT),
-                    s2, input_precision=PREC)
-        s3 = tl.dot(q, tl.load(ptrs + 3 * G4 * D, mask=mask & (3 * G4 + j < n_valid)[None, :], other=0.0).to(DOT),
-                    s3, input_precision=PREC)
-    return s0, s1, s2, s3
-
-
-@triton.jit
-def _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4: tl.constexpr, BLOCK_G4: tl.constexpr,
-                    MASKED: tl.constexpr):
-    """Mask the 4 quarters' scores (log2 units; with MASKED, tokens >= n_valid are out), update the running max
-    and sum. Returns the probabilities, the factor the running output must be multiplied by, the new max / sum."""
-    if MASKED:
-        j = tl.arange(0, BLOCK_G4)
-        jmask = (j < G4)[None, :]
-        s0 = tl.where(jmask & (j < n_valid)[None, :], s0, float("-inf"))
-        s1 = tl.where(jmask & (G4 + j < n_valid)[None, :], s1, float("-inf"))
-        s2 = tl.where(jmask & (2 * G4 + j < n_valid)[None, :], s2, float("-inf"))
-        s3 = tl.where(jmask & (3 * G4 + j < n_valid)[None, :], s3, float("-inf"))
-    m_new = tl.maximum(tl.maximum(tl.maximum(m_i, tl.max(s0, axis=1)), tl.max(s1, axis=1)),
-                       tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
-    alpha = tl.math.exp2(m_i - m_new)
-    p0 = tl.math.exp2(s0 - m_new[:, None])
-    p1 = tl.math.exp2(s1 - m_new[:, None])
-    p2 = tl.math.exp2(s2 - m_new[:, None])
-    p3 = tl.math.exp2(s3 - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p0, axis=1) + tl.sum(p1, axis=1) + tl.sum(p2, axis=1) + tl.sum(p3, axis=1)
-    return p0, p1, p2, p3, alpha, m_new, l_i
-
-
-@triton.jit
-def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, page,
-                   quarter: tl.constexpr, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr,
-                   DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
-                   BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
-    """Accumulate token quarter `quarter` of value page `page`: the 4 channel quarters into acc0..acc3 and the
-    zero-point term sum_t p_t * zero_t into zacc."""
-    G4: tl.constexpr = G // 4
-    j = tl.arange(0, BLOCK_G4)
-    c = tl.arange(0, BLOCK_D4)
-    tok = quarter * G4 + j
-    jmask = j < G4
-    vscale = tl.load(vscale_ptr + page * G + tok, mask=jmask, other=0.0).to(tl.float32)
-    vzero = tl.load(vzero_ptr + page * G + tok, mask=jmask, other=0.0).to(tl.float32)
-    zacc += tl.sum(p * vzero[None, :], axis=1)
-    a = (p * vscale[None, :]).to(DOT)
-    offs = page * (D4 * G) + c[None, :] * G + tok[:, None]                    # (token, channel byte), tokens contiguous
-    mask = jmask[:, None] & (c < D4)[None, :]
-    v0, v1, v2, v3 = _quarters(tl.load(vlow_ptr + offs, mask=mask, other=0), DOT, ASM)
-    acc0 = tl.dot(a, v0, acc0, input_precision=PREC)
-    acc1 = tl.dot(a, v1, acc1, input_precision=PREC)
-    acc2 = tl.dot(a, v2, acc2, input_precision=PREC)
-    acc3 = tl.dot(a, v3, acc3, input_precision=PREC)
-    if V_BITS == 4:
-        a = (a.to(tl.float32) * 4.0).to(DOT)                                   # exact: the high bits weigh 4
-        v0, v1, v2, v3 = _quarters(tl.load(vhigh_ptr + offs, mask=mask, other=0), DOT, ASM)
-        acc0 = tl.dot(a, v0, acc0, input_precision=PREC)
-        acc1 = tl.dot(a, v1, acc1, input_precision=PREC)
-        acc2 = tl.dot(a, v2, acc2, input_precision=PREC)
-        acc3 = tl.dot(a, v3, acc3, input_precision=PREC)
-    return acc0, acc1, acc2, acc3, zacc
-
-
-@triton.jit
-def _fp_value_quarter(p, acc0, acc1, acc2, acc3, vfp_ptr, row0, n_valid, quarter: tl.constexpr, D: tl.constexpr,
-                      G4: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_G4: tl.constexpr,
-                      BLOCK_D4: tl.constexpr):
-    """Accumulate token quarter `quarter` of up to 4*G4 full-precision values from row `row0` of v_fp."""
-    D4: tl.constexpr = D // 4
-    j = tl.arange(0, BLOCK_G4)
-    c = tl.arange(0, BLOCK_D4)
-    tok = quarter * G4 + j
-    ptrs = vfp_ptr + (row0 + tok[:, None]).to(tl.int64) * D + c[None, :]
-    mask = ((tok < n_valid) & (j < G4))[:, None] & (c < D4)[None, :]
-    pd = p.to(DOT)
-    acc0 = tl.dot(pd, tl.load(ptrs, mask=mask, other=0.0).to(DOT), acc0, input_precision=PREC)
-    acc1 = tl.dot(pd, tl.load(ptrs + D4, mask=mask, other=0.0).to(DOT), acc1, input_precision=PREC)
-    acc2 = tl.dot(pd, tl.load(ptrs + 2 * D4, mask=mask, other=0.0).to(DOT), acc2, input_precision=PREC)
-    acc3 = tl.dot(pd, tl.load(ptrs + 3 * D4, mask=mask, other=0.0).to(DOT), acc3, input_precision=PREC)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def _paged_block(q_rows, rmask, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, zacc, kpage, vpage,
-                 klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
-                 D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr,
-                 PREC: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr,
-                 BLOCK_D4: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """One block whose keys and values are both pages: scores, online softmax, values."""
-    G4: tl.constexpr = G // 4
-    s0, s1, s2, s3 = _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                      kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, BLOCK_M, BLOCK_G4, BLOCK_NB)
-    p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4, BLOCK_G4 != G4)
-    acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
-    zacc = zacc * alpha
-    acc0, acc1, acc2, acc3, zacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
-                                                  vzero_ptr, vpage, 0, G, D // 4, V_BITS, DOT, PREC, ASM,
-                                                  BLOCK_G4, BLOCK_D4)
-    acc0, acc1, acc2, acc3, zacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
-                                                  vzero_ptr, vpage, 1, G, D // 4, V_BITS, DOT, PREC, ASM,
-                                                  BLOCK_G4, BLOCK_D4)
-    acc0, acc1, acc2, acc3, zacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
-                                                  vzero_ptr, vpage, 2, G, D // 4, V_BITS, DOT, PREC, ASM,
-                                                  BLOCK_G4, BLOCK_D4)
-    acc0, acc1, acc2, acc3, zacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr, vscale_ptr,
-                                                  vzero_ptr, vpage, 3, G, D // 4, V_BITS, DOT, PREC, ASM,
-                                                  BLOCK_G4, BLOCK_D4)
-    return m_i, l_i, acc0, acc1, acc2, acc3, zacc
-
-
-@triton.jit
 def _program_blocks(seqlen_ptr, nkp_ptr, nvp_ptr, b, part, NSPLIT, S: tl.constexpr, G: tl.constexpr):
     """Which blocks of sequence b program `part` reads: paged slots [start, end) when part < NSPLIT (the blocks
     with a key page and a value page, shared evenly), else remaining block `rest` < n_rest (the sink's blocks,
@@ -344,6 +170,208 @@ def _program_blocks(seqlen_ptr, nkp_ptr, nvp_ptr, b, part, NSPLIT, S: tl.constex
     return start, end, rest, n_rest, n_sink_blocks, sink_len, n_paged, length, nkp, nvp
 
 
+@triton.jit
+def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, page,
+                       D: tl.constexpr, G4: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                       ASM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G4: tl.constexpr,
+                       BLOCK_NB: tl.constexpr):
+    """Scores (log2 units) of the 4 token quarters of key page `page`, each (token, head). q_cols: (BLOCK_H,)
+    pointers to the query rows, hmask: the real ones. OFFSET: the code operands are M + w_i * code
+    (_quarters_offset); with bsum the column sums of the other operand, the products give M * bsum + w_i * scores,
+    taken out exactly at the end."""
+    j = tl.arange(0, BLOCK_G4)
+    jmask = (j < G4)[:, None]
+    s0 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
+    s1 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
+    s2 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
+    s3 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
+    zq = tl.zeros((BLOCK_H,), tl.float32)
+    bsum = tl.zeros((BLOCK_H,), tl.float32)
+    for chunk in tl.static_range(0, D, KC):
+        d = chunk + tl.arange(0, KC)
+        dmask = d < D
+        q = tl.load(q_cols[None, :] + d[:, None], mask=dmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        q = q * qk_scale                                                        # (channel, head)
+        scale = tl.load(kscale_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
+        zero = tl.load(kzero_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
+        zq += tl.sum(q * zero[:, None], axis=0)
+        b = (q * scale[:, None]).to(DOT)
+        tile = tl.load(klow_ptr + page * (G4 * D) + j[:, None] * D + d[None, :], mask=jmask & dmask[None, :],
+                       other=0)                                                 # (token-in-quarter, channel)
+        if OFFSET:
+            k0, k1, k2, k3 = _quarters_offset(tile, DOT, ASM)
+            bsum += tl.sum(b.to(tl.float32), axis=0)                           # the rounded operand the MMA sees
+        else:
+            k0, k1, k2, k3 = _quarters(tile, DOT, ASM)
+        s0 = tl.dot(k0, b, s0, input_precision=PREC)
+        s1 = tl.dot(k1, b, s1, input_precision=PREC)
+        s2 = tl.dot(k2, b, s2, input_precision=PREC)
+        s3 = tl.dot(k3, b, s3, input_precision=PREC)
+    if NB > 0:
+        # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
+        r = tl.arange(0, BLOCK_NB)
+        nbmask = r < NB
+        ch = tl.load(kch_ptr + page * NB + r, mask=nbmask, other=0).to(tl.int32)
+        ch_scale = tl.load(kscale_ptr + page * D + ch, mask=nbmask, other=0.0).to(tl.float32)
+        q_ch = tl.load(q_cols[None, :] + ch[:, None], mask=nbmask[:, None] & hmask[None, :], other=0.0)
+        b = (q_ch.to(tl.float32) * qk_scale * (4.0 * ch_scale)[:, None]).to(DOT)
+        tile = tl.load(khigh_ptr + page * (G4 * NB) + j[:, None] * NB + r[None, :], mask=jmask & nbmask[None, :],
+                       other=0)
+        if OFFSET:
+            h0, h1, h2, h3 = _quarters_offset(tile, DOT, ASM)
+            bsum += tl.sum(b.to(tl.float32), axis=0)
+        else:
+            h0, h1, h2, h3 = _quarters(tile, DOT, ASM)
+        s0 = tl.dot(h0, b, s0, input_precision=PREC)
+        s1 = tl.dot(h1, b, s1, input_precision=PREC)
+        s2 = tl.dot(h2, b, s2, input_precision=PREC)
+        s3 = tl.dot(h3, b, s3, input_precision=PREC)
+    if OFFSET:                                          # s_i = M * bsum + w_i * scores_i
+        offset = OFFSET_MAGIC * bsum
+        return (s0 + (zq - offset)[None, :], s1 * (1.0 / OFFSET_W1) + (zq - offset / OFFSET_W1)[None, :],
+                s2 * (1.0 / OFFSET_W2) + (zq - offset / OFFSET_W2)[None, :], s3 + (zq - offset)[None, :])
+    zq = zq[None, :]
+    return s0 + zq, s1 + zq, s2 + zq, s3 + zq
+
+
+@triton.jit
+def _fp_key_scores(q_cols, hmask, qk_scale, kfp_ptr, row0, n_valid, D: tl.constexpr, G4: tl.constexpr,
+                     DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G4: tl.constexpr):
+    """Scores (log2 units, (token, head)) of the 4 token quarters of up to 4*G4 full-precision keys from row
+    `row0` of k_fp."""
+    j = tl.arange(0, BLOCK_G4)
+    s0 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
+    s1 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
+    s2 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
+    s3 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
+    for chunk in tl.static_range(0, D, KC):
+        d = chunk + tl.arange(0, KC)
+        dmask = d < D
+        q = tl.load(q_cols[None, :] + d[:, None], mask=dmask[:, None] & hmask[None, :], other=0.0)
+        q = (q.to(tl.float32) * qk_scale).to(DOT)
+        ptrs = kfp_ptr + (row0 + j[:, None]).to(tl.int64) * D + d[None, :]
+        mask = (j < G4)[:, None] & dmask[None, :]
+        s0 = tl.dot(tl.load(ptrs, mask=mask & (j < n_valid)[:, None], other=0.0).to(DOT), q, s0,
+                    input_precision=PREC)
+        s1 = tl.dot(tl.load(ptrs + G4 * D, mask=mask & (G4 + j < n_valid)[:, None], other=0.0).to(DOT), q, s1,
+                    input_precision=PREC)
+        s2 = tl.dot(tl.load(ptrs + 2 * G4 * D, mask=mask & (2 * G4 + j < n_valid)[:, None], other=0.0).to(DOT), q,
+                    s2, input_precision=PREC)
+        s3 = tl.dot(tl.load(ptrs + 3 * G4 * D, mask=mask & (3 * G4 + j < n_valid)[:, None], other=0.0).to(DOT), q,
+                    s3, input_precision=PREC)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4: tl.constexpr, BLOCK_G4: tl.constexpr,
+                      MASKED: tl.constexpr):
+    """Mask the 4 quarters' scores ((token, head) tiles in log2 units; with MASKED, tokens >= n_valid are out),
+    update the running max and sum per head. Returns the probabilities, the factor the running output must be
+    multiplied by, the new max / sum."""
+    if MASKED:
+        j = tl.arange(0, BLOCK_G4)
+        jmask = (j < G4)[:, None]
+        s0 = tl.where(jmask & (j < n_valid)[:, None], s0, float("-inf"))
+        s1 = tl.where(jmask & (G4 + j < n_valid)[:, None], s1, float("-inf"))
+        s2 = tl.where(jmask & (2 * G4 + j < n_valid)[:, None], s2, float("-inf"))
+        s3 = tl.where(jmask & (3 * G4 + j < n_valid)[:, None], s3, float("-inf"))
+    m_new = tl.maximum(tl.maximum(tl.maximum(m_i, tl.max(s0, axis=0)), tl.max(s1, axis=0)),
+                       tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
+    alpha = tl.math.exp2(m_i - m_new)
+    p0 = tl.math.exp2(s0 - m_new[None, :])
+    p1 = tl.math.exp2(s1 - m_new[None, :])
+    p2 = tl.math.exp2(s2 - m_new[None, :])
+    p3 = tl.math.exp2(s3 - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p0, axis=0) + tl.sum(p1, axis=0) + tl.sum(p2, axis=0) + tl.sum(p3, axis=0)
+    return p0, p1, p2, p3, alpha, m_new, l_i
+
+
+@triton.jit
+def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, page,
+                     quarter: tl.constexpr, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr,
+                     DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr,
+                     BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
+    """Accumulate token quarter `quarter` of value page `page` (p: (token, head)): the 4 channel quarters into
+    acc0..acc3 ((channel, head) each) and the zero-point term sum_t p_t * zero_t into zacc. OFFSET: the code
+    operands are M + w_i * code, so acc_i also gathers M * pacc (pacc: the column sums of the other operand)."""
+    G4: tl.constexpr = G // 4
+    j = tl.arange(0, BLOCK_G4)
+    c = tl.arange(0, BLOCK_D4)
+    tok = quarter * G4 + j
+    jmask = j < G4
+    vscale = tl.load(vscale_ptr + page * G + tok, mask=jmask, other=0.0).to(tl.float32)
+    vzero = tl.load(vzero_ptr + page * G + tok, mask=jmask, other=0.0).to(tl.float32)
+    zacc += tl.sum(p * vzero[:, None], axis=0)
+    b = (p * vscale[:, None]).to(DOT)
+    offs = page * (D4 * G) + c[:, None] * G + tok[None, :]                    # (channel byte, token), tokens contiguous
+    mask = (c < D4)[:, None] & jmask[None, :]
+    if OFFSET:
+        v0, v1, v2, v3 = _quarters_offset(tl.load(vlow_ptr + offs, mask=mask, other=0), DOT, ASM)
+        pacc += tl.sum(b.to(tl.float32), axis=0) * (5.0 if V_BITS == 4 else 1.0)   # the high plane's is 4x
+    else:
+        v0, v1, v2, v3 = _quarters(tl.load(vlow_ptr + offs, mask=mask, other=0), DOT, ASM)
+    acc0 = tl.dot(v0, b, acc0, input_precision=PREC)
+    acc1 = tl.dot(v1, b, acc1, input_precision=PREC)
+    acc2 = tl.dot(v2, b, acc2, input_precision=PREC)
+    acc3 = tl.dot(v3, b, acc3, input_precision=PREC)
+    if V_BITS == 4:
+        b = (b.to(tl.float32) * 4.0).to(DOT)                                   # exact: the high bits weigh 4
+        if OFFSET:
+            v0, v1, v2, v3 = _quarters_offset(tl.load(vhigh_ptr + offs, mask=mask, other=0), DOT, ASM)
+        else:
+            v0, v1, v2, v3 = _quarters(tl.load(vhigh_ptr + offs, mask=mask, other=0), DOT, ASM)
+        acc0 = tl.dot(v0, b, acc0, input_precision=PREC)
+        acc1 = tl.dot(v1, b, acc1, input_precision=PREC)
+        acc2 = tl.dot(v2, b, acc2, input_precision=PREC)
+        acc3 = tl.dot(v3, b, acc3, input_precision=PREC)
+    return acc0, acc1, acc2, acc3, zacc, pacc
+
+
+@triton.jit
+def _fp_value_quarter(p, acc0, acc1, acc2, acc3, vfp_ptr, row0, n_valid, quarter: tl.constexpr, D: tl.constexpr,
+                        G4: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, OFFSET: tl.constexpr,
+                        BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
+    """Accumulate token quarter `quarter` of up to 4*G4 full-precision values from row `row0` of v_fp. OFFSET:
+    channel quarter i's accumulator holds w_i * output (see _value_quarter), so these terms are scaled alike
+    (by a power of 2: exact)."""
+    D4: tl.constexpr = D // 4
+    j = tl.arange(0, BLOCK_G4)
+    c = tl.arange(0, BLOCK_D4)
+    tok = quarter * G4 + j
+    ptrs = vfp_ptr + (row0 + tok[None, :]).to(tl.int64) * D + c[:, None]       # (channel, token)
+    mask = (c < D4)[:, None] & ((tok < n_valid) & (j < G4))[None, :]
+    pd = p.to(DOT)
+    pd1, pd2 = pd, pd
+    if OFFSET:
+        pd1, pd2 = (p * OFFSET_W1).to(DOT), (p * OFFSET_W2).to(DOT)
+    acc0 = tl.dot(tl.load(ptrs, mask=mask, other=0.0).to(DOT), pd, acc0, input_precision=PREC)
+    acc1 = tl.dot(tl.load(ptrs + D4, mask=mask, other=0.0).to(DOT), pd1, acc1, input_precision=PREC)
+    acc2 = tl.dot(tl.load(ptrs + 2 * D4, mask=mask, other=0.0).to(DOT), pd2, acc2, input_precision=PREC)
+    acc3 = tl.dot(tl.load(ptrs + 3 * D4, mask=mask, other=0.0).to(DOT), pd, acc3, input_precision=PREC)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
+                  vpage, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr,
+                  PREC: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_G4: tl.constexpr,
+                  BLOCK_D4: tl.constexpr):
+    """All 4 token quarters of value page `vpage`."""
+    acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 0, G, D4, V_BITS, DOT, PREC,
+                                                          ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+    acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 1, G, D4, V_BITS, DOT, PREC,
+                                                          ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+    acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 2, G, D4, V_BITS, DOT, PREC,
+                                                          ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+    acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
+                                                          vscale_ptr, vzero_ptr, vpage, 3, G, D4, V_BITS, DOT, PREC,
+                                                          ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+    return acc0, acc1, acc2, acc3, zacc, pacc
+
+
 # Sizes that grow during generation are not specialized on (Triton would compile a new variant whenever one
 # becomes a multiple of 16, stalling a decode step for a second or more).
 @triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT", "NPART"])
@@ -356,35 +384,44 @@ def _decode_split_kernel(
         qk_scale, CK, CV, KMP, VMP, NSPLIT, NPART,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr, BLOCK_NB: tl.constexpr):
+        OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
+        BLOCK_NB: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    part = tl.program_id(2)         # < NSPLIT: a share of the paged blocks; else remaining block part - NSPLIT
+    part = tl.program_id(2)
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     start, end, rest, n_rest, n_sink_blocks, sink_len, n_paged, length, nkp, nvp = _program_blocks(
         seqlen_ptr, nkp_ptr, nvp_ptr, b, part, NSPLIT, S, G)
 
-    rows = tl.arange(0, BLOCK_M)
-    rmask = rows < GROUP
-    q_rows = q_ptr + (b * H * GROUP + h * GROUP + rows).to(tl.int64) * D
+    heads = tl.arange(0, BLOCK_M)                        # BLOCK_M: the query heads of the group, padded
+    hmask = heads < GROUP
+    q_cols = q_ptr + (b * H * GROUP + h * GROUP + heads).to(tl.int64) * D
     kv_head = (b * H + h).to(tl.int64)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     zacc = tl.zeros((BLOCK_M,), tl.float32)
-    acc0 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_D4), tl.float32)
+    pacc = tl.zeros((BLOCK_M,), tl.float32)         # OFFSET: the sum the value accumulators hold M times
+    acc0 = tl.zeros((BLOCK_D4, BLOCK_M), tl.float32)
+    acc1 = tl.zeros((BLOCK_D4, BLOCK_M), tl.float32)
+    acc2 = tl.zeros((BLOCK_D4, BLOCK_M), tl.float32)
+    acc3 = tl.zeros((BLOCK_D4, BLOCK_M), tl.float32)
 
     for slot in range(start, end):                      # both pages quantized: no branch in the loop body
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-        m_i, l_i, acc0, acc1, acc2, acc3, zacc = _paged_block(
-            q_rows, rmask, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, zacc, kpage, vpage, klow_ptr, khigh_ptr,
-            kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, NB, V_BITS, DOT, PREC,
-            ASM, BLOCK_M, BLOCK_G4, BLOCK_D4, BLOCK_NB)
+        s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+                                            kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M, BLOCK_G4,
+                                            BLOCK_NB)
+        p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4,
+                                                            BLOCK_G4 != G4)
+        alpha_row = alpha[None, :]
+        acc0, acc1, acc2, acc3 = acc0 * alpha_row, acc1 * alpha_row, acc2 * alpha_row, acc3 * alpha_row
+        zacc, pacc = zacc * alpha, pacc * alpha
+        acc0, acc1, acc2, acc3, zacc, pacc = _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc,
+                                                           vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, vpage, G, D4,
+                                                           V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
 
     for blk in range(rest, tl.minimum(rest + 1, n_rest)):   # at most one remaining block per program
         in_sink = blk < n_sink_blocks
@@ -392,50 +429,51 @@ def _decode_split_kernel(
         n_valid = tl.where(in_sink, sink_len - blk * G, tl.minimum(G, length - S - slot * G))
         if (blk >= n_sink_blocks) & (slot < nkp):
             kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
-            s0, s1, s2, s3 = _key_page_scores(q_rows, rmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                              kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, BLOCK_M, BLOCK_G4,
-                                              BLOCK_NB)
+            s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+                                                kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
+                                                BLOCK_G4, BLOCK_NB)
         else:
             row0 = tl.where(in_sink, blk * G, S + (slot - nkp) * G)
-            s0, s1, s2, s3 = _fp_key_scores(q_rows, rmask, qk_scale, kfp_ptr + kv_head * CK * D, row0, n_valid, D,
-                                            G4, DOT, PREC, BLOCK_M, BLOCK_G4)
+            s0, s1, s2, s3 = _fp_key_scores(q_cols, hmask, qk_scale, kfp_ptr + kv_head * CK * D, row0, n_valid,
+                                              D, G4, DOT, PREC, BLOCK_M, BLOCK_G4)
+        # a program with a remaining block has no paged ones (_program_blocks): nothing accumulated to rescale
         p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4, BLOCK_G4, True)
         if (blk >= n_sink_blocks) & (slot < nvp):
             vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-            acc0, acc1, acc2, acc3, zacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 0, G, D4, V_BITS, DOT,
-                                                          PREC, ASM, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3, zacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 1, G, D4, V_BITS, DOT,
-                                                          PREC, ASM, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3, zacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 2, G, D4, V_BITS, DOT,
-                                                          PREC, ASM, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3, zacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 3, G, D4, V_BITS, DOT,
-                                                          PREC, ASM, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3, zacc, pacc = _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc,
+                                                               vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, vpage, G,
+                                                               D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4,
+                                                               BLOCK_D4)
         else:
             row0 = tl.where(in_sink, blk * G, S + (slot - nvp) * G)
             vfp = vfp_ptr + kv_head * CV * D
-            acc0, acc1, acc2, acc3 = _fp_value_quarter(p0, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 0, D, G4, DOT,
-                                                       PREC, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3 = _fp_value_quarter(p1, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 1, D, G4, DOT,
-                                                       PREC, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3 = _fp_value_quarter(p2, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 2, D, G4, DOT,
-                                                       PREC, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3 = _fp_value_quarter(p3, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 3, D, G4, DOT,
-                                                       PREC, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3 = _fp_value_quarter(p0, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 0, D, G4,
+                                                         DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3 = _fp_value_quarter(p1, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 1, D, G4,
+                                                         DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3 = _fp_value_quarter(p2, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 2, D, G4,
+                                                         DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
+            acc0, acc1, acc2, acc3 = _fp_value_quarter(p3, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 3, D, G4,
+                                                         DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
 
-    idx = (b * H * GROUP + h * GROUP + rows).to(tl.int64) * NPART + part
-    tl.store(pm_ptr + idx, m_i, mask=rmask)
-    tl.store(pl_ptr + idx, l_i, mask=rmask)
+    idx = (b * H * GROUP + h * GROUP + heads).to(tl.int64) * NPART + part
+    tl.store(pm_ptr + idx, m_i, mask=hmask)
+    tl.store(pl_ptr + idx, l_i, mask=hmask)
     c = tl.arange(0, BLOCK_D4)
-    out = po_ptr + idx[:, None] * D + c[None, :]
-    omask = rmask[:, None] & (c < D4)[None, :]
-    tl.store(out, acc0 + zacc[:, None], mask=omask)
-    tl.store(out + D4, acc1 + zacc[:, None], mask=omask)
-    tl.store(out + 2 * D4, acc2 + zacc[:, None], mask=omask)
-    tl.store(out + 3 * D4, acc3 + zacc[:, None], mask=omask)
+    out = po_ptr + idx[None, :] * D + c[:, None]
+    omask = (c < D4)[:, None] & hmask[None, :]
+    if OFFSET:                                          # acc_i = M * pacc + w_i * output: take M and w_i out
+        offset = OFFSET_MAGIC * pacc
+        tl.store(out, acc0 + (zacc - offset)[None, :], mask=omask)
+        tl.store(out + D4, acc1 * (1.0 / OFFSET_W1) + (zacc - offset / OFFSET_W1)[None, :], mask=omask)
+        tl.store(out + 2 * D4, acc2 * (1.0 / OFFSET_W2) + (zacc - offset / OFFSET_W2)[None, :], mask=omask)
+        tl.store(out + 3 * D4, acc3 + (zacc - offset)[None, :], mask=omask)
+    else:
+        zrow = zacc[None, :]
+        tl.store(out, acc0 + zrow, mask=omask)
+        tl.store(out + D4, acc1 + zrow, mask=omask)
+        tl.store(out + 2 * D4, acc2 + zrow, mask=omask)
+        tl.store(out + 3 * D4, acc3 + zrow, mask=omask)
 
 
 @triton.jit(do_not_specialize=["NPART"])
@@ -476,7 +514,11 @@ def dot_dtype(dtype: torch.dtype):
 
 
 REGISTERS_PER_SM = 65536      # 32-bit registers of an H100 / H200 multiprocessor (what bounds resident programs here)
-MIN_PAGES_PER_SPLIT = 4       # below this, a program's set-up outweighs its share of pages (unless all fit one wave)
+# Register cap per thread of the decode kernel. The compiler takes 255 (8 resident one-warp programs per
+# multiprocessor); at 128 the main loop spills about 50 of its ~2,500 instructions per page to L1, and the 16
+# resident programs more than pay for that: 801 against 1,108 us at batch 64 / 32K (BENCHMARKS.md section 1).
+MAXNREG = 128
+MIN_PAGES_PER_SPLIT = 2       # a program's set-up and first page's latency outweigh a single page of work
 
 
 def resident_programs(maxnreg: int, num_warps: int = 1) -> int:
@@ -485,17 +527,15 @@ def resident_programs(maxnreg: int, num_warps: int = 1) -> int:
     return REGISTERS_PER_SM // (32 * num_warps * maxnreg)
 
 
-def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 132, resident: int = 8) -> int:
+def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 132,
+                   resident: int = resident_programs(MAXNREG)) -> int:
     """Programs over the paged blocks per (sequence, KV head), in whole waves of `resident` programs per
-    multiprocessor (a wave that is a few programs over costs a whole second wave): one page each when that fits
-    one wave, else two waves for small batches and one for large ones, with at least MIN_PAGES_PER_SPLIT pages
-    each. Fitted to the H200 sweeps in BENCHMARKS.md (`python -m backend.bench tune`)."""
+    multiprocessor (a wave that is a few programs over costs a whole second wave): two waves for small batches,
+    one for large ones, with at least MIN_PAGES_PER_SPLIT pages each. Fitted to the H200 sweeps in BENCHMARKS.md
+    (`python -m backend.bench tune`)."""
     wave = resident * sm_count
-    pairs = batch * kv_heads
-    if pairs * max_pages <= wave:
-        return max(1, max_pages)
-    waves = 2 if pairs <= 64 else 1
-    return max(1, min(waves * wave // pairs, triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
+    waves = 2 if batch * kv_heads <= 64 else 1
+    return max(1, min(waves * wave // (batch * kv_heads), triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
 
 
 def remaining_blocks(kv: PagedKV) -> int:
@@ -524,32 +564,12 @@ class DecodeWorkspace:
         return self.buffers
 
 
-# Which decode kernel (decode_attention's `kernel`): query heads on the rows of the matrix products (this module's
-# _decode_split_kernel) or tokens / channels on the rows (decode_tokens_m.py); "tokens-m-offset" (the default,
-# fastest at every shape measured on the H200) also leaves bf16 code operands as M + w * code (_quarters_offset;
-# fp16 runs as "tokens-m"). Each kernel's register cap per thread: the fastest measured (BENCHMARKS.md section 1);
-# tokens-m's spills a little at 128, and its 16 resident programs per multiprocessor more than pay for that.
-DECODE_KERNELS = ("heads-m", "tokens-m", "tokens-m-offset")
-DEFAULT_KERNEL = "tokens-m-offset"
-KERNEL_MAXNREG = {"heads-m": 255, "tokens-m": 128, "tokens-m-offset": 128}
-
-
-def split_kernel(kernel: str = DEFAULT_KERNEL):
-    """The Triton kernel named `kernel` (one of DECODE_KERNELS); both take split_kernel_arguments."""
-    if kernel not in DECODE_KERNELS:
-        raise ValueError(f"decode kernel {kernel!r} must be one of {DECODE_KERNELS}")
-    if kernel.startswith("tokens-m"):
-        from .decode_tokens_m import _decode_tokens_m_kernel      # imports this module's helpers: no cycle at load
-        return _decode_tokens_m_kernel
-    return _decode_split_kernel
-
-
-def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int,
-                           kernel: str = DEFAULT_KERNEL) -> tuple[tuple, dict]:
-    """Run-time arguments and compile-time constants of split_kernel(kernel) for one launch; parts are the
+def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
+    """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
     (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each.
-    Also used to compile the kernel for a profile. BLOCK_M is the group's query heads padded to a matrix side:
-    16 rows for heads-m, 8 columns (the instruction's n8) for tokens-m."""
+    Also used to compile the kernel for a profile. BLOCK_M: the group's query heads padded to the matrix
+    instruction's 8 columns. OFFSET: bf16 code operands stay M + w * code (_quarters_offset); fp16 ones are
+    exact codes, because fp16's M = 1024 would leave too few bits after the offset is taken out."""
     part_o, part_m, part_l = parts
     bsz, hq, d = q.shape
     h, g = kv.k_fp.shape[1], kv.page_size
@@ -561,27 +581,22 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
                      PREC="ieee" if dot == tl.float32 else "tf32",
                      ASM=0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0),
-                     BLOCK_M=max(16 if kernel == "heads-m" else 8, triton.next_power_of_2(hq // h)),
+                     OFFSET=q.dtype == torch.bfloat16, BLOCK_M=max(8, triton.next_power_of_2(hq // h)),
                      BLOCK_G4=max(16, triton.next_power_of_2(g // 4)), BLOCK_D4=max(16, triton.next_power_of_2(d // 4)),
                      BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)))
-    if kernel.startswith("tokens-m"):
-        constants["OFFSET"] = kernel == "tokens-m-offset" and q.dtype == torch.bfloat16
     return args, constants
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, kernel: str = DEFAULT_KERNEL) -> torch.Tensor:
+                     maxnreg: int = MAXNREG) -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
-    (defaults tuned on the H200; maxnreg None: KERNEL_MAXNREG[kernel], 255 leaves it to the compiler); kernel: one
-    of DECODE_KERNELS. With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated
-    per call."""
+    (defaults tuned on the H200; maxnreg 255 leaves it to the compiler). With a workspace, its buffers are reused
+    (see DecodeWorkspace); without, they are allocated per call."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
-    launch = split_kernel(kernel)
-    maxnreg = maxnreg or KERNEL_MAXNREG[kernel]
     if num_splits is None:
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = default_splits(bsz, h, max(1, kv.k_table.shape[1]), sm_count,
@@ -589,9 +604,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     num_parts = num_splits + remaining_blocks(kv)
     q = q.contiguous()
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
-    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, kernel)
+    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-    launch[(bsz, h, num_parts)](*args, **constants, **options)
+    _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, num_parts, D=d,
                                       BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16, num_warps=1)
     return out

@@ -49,23 +49,20 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None, kernel: str | None = None):
+                         maxnreg: int | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.decode_attention import (DEFAULT_KERNEL, KERNEL_MAXNREG, remaining_blocks, split_kernel,
-                                          split_kernel_arguments)
-    kernel = kernel or DEFAULT_KERNEL
-    maxnreg = maxnreg or KERNEL_MAXNREG[kernel]
+    from kernels.decode_attention import MAXNREG, _decode_split_kernel, remaining_blocks, split_kernel_arguments
+    maxnreg = maxnreg or MAXNREG
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     n = splits + remaining_blocks(kv)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
-    args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits, kernel)
-    fn = split_kernel(kernel)
-    names = fn.arg_names
+    args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
+    names = _decode_split_kernel.arg_names
     signature, attrs = {}, {}
     for i, (name, value) in enumerate(zip(names, args)):
         if isinstance(value, torch.Tensor):
@@ -74,7 +71,7 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
         else:
             signature[name] = "fp32" if isinstance(value, float) else "i32"
     signature.update({name: "constexpr" for name in constants})
-    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    source = ASTSource(fn=_decode_split_kernel, signature=signature, constexprs=constants, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {})}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -107,7 +104,6 @@ def main(argv=None) -> int:
     parser.add_argument("--warps", type=int, default=1, help="warps per program (decode_attention's num_warps)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (default: the kernel's, as decode_attention; 255: the compiler's choice)")
-    parser.add_argument("--kernel", help="decode kernel (kernels.decode_attention.DECODE_KERNELS; default: DEFAULT_KERNEL)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run with TRITON_INTERPRET=0: without a GPU, importing kernels/ turns Triton's interpreter on, "
@@ -116,7 +112,7 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         row = profile(compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
-                                               num_stages=args.stages, maxnreg=args.maxnreg, kernel=args.kernel))
+                                               num_stages=args.stages, maxnreg=args.maxnreg))
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return 0
 
