@@ -219,8 +219,8 @@ def bench_tune(args) -> dict:
             # other register caps (a cap buys resident programs with spills) and pipeline depths
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             settings = [(1, 3, n, MAXNREG) for n in splits] + [(1, 3, chosen, r) for r in (255, 168, 128, 96)
-                                                               if r != MAXNREG] + [(1, 2, chosen, MAXNREG),
-                                                                                   (1, 4, chosen, MAXNREG)]
+                                                               if r != MAXNREG] + [
+                (1, stages, chosen, MAXNREG) for stages in (1, 2, 4)]
             for warps, stages, n, cap in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=n, num_warps=warps,  # noqa: E731
                                                num_stages=stages, maxnreg=cap)
