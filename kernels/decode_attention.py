@@ -529,13 +529,11 @@ def resident_programs(maxnreg: int, num_warps: int = 1) -> int:
 
 def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 132,
                    resident: int = resident_programs(MAXNREG)) -> int:
-    """Programs over the paged blocks per (sequence, KV head), in whole waves of `resident` programs per
-    multiprocessor (a wave that is a few programs over costs a whole second wave): two waves for small batches,
-    one for large ones, with at least MIN_PAGES_PER_SPLIT pages each. Fitted to the H200 sweeps in BENCHMARKS.md
-    (`python -m backend.bench tune`)."""
+    """Programs over the paged blocks per (sequence, KV head): one wave of `resident` programs per multiprocessor
+    (a wave that is a few programs over costs a whole second wave), with at least MIN_PAGES_PER_SPLIT pages each.
+    Fitted to the H200 sweeps in BENCHMARKS.md (`python -m backend.bench tune`)."""
     wave = resident * sm_count
-    waves = 2 if batch * kv_heads <= 64 else 1
-    return max(1, min(waves * wave // (batch * kv_heads), triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
+    return max(1, min(wave // (batch * kv_heads), triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
 
 
 def remaining_blocks(kv: PagedKV) -> int:
