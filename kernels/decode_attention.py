@@ -148,6 +148,24 @@ def _quarters_offset(x, DOT: tl.constexpr, ASM: tl.constexpr):
             ((w >> 4) & 3).to(DOT) * OFFSET_W2 + OFFSET_MAGIC, ((w >> 6) & 3).to(DOT) + OFFSET_MAGIC)
 
 
+@triton.jit
+def _plane_products(tile, b, acc0, acc1, acc2, acc3, bsum, DOT: tl.constexpr, PREC: tl.constexpr,
+                    ASM: tl.constexpr, OFFSET: tl.constexpr):
+    """acc_i += (quarter i of the uint8 tile, the first operand) @ b. OFFSET: the quarters are M + w_i * code
+    (_quarters_offset), and bsum gathers the column sums of b as the products see it (rounded to DOT), so that
+    M * bsum can be taken out of acc_i afterwards."""
+    if OFFSET:
+        c0, c1, c2, c3 = _quarters_offset(tile, DOT, ASM)
+        bsum += tl.sum(b.to(tl.float32), axis=0)
+    else:
+        c0, c1, c2, c3 = _quarters(tile, DOT, ASM)
+    acc0 = tl.dot(c0, b, acc0, input_precision=PREC)
+    acc1 = tl.dot(c1, b, acc1, input_precision=PREC)
+    acc2 = tl.dot(c2, b, acc2, input_precision=PREC)
+    acc3 = tl.dot(c3, b, acc3, input_precision=PREC)
+    return acc0, acc1, acc2, acc3, bsum
+
+
 KC = tl.constexpr(32)        # channels per key chunk: keeps one chunk's four unpacked quarters in registers
 
 
@@ -172,9 +190,9 @@ def _program_blocks(seqlen_ptr, nkp_ptr, nvp_ptr, b, part, NSPLIT, S: tl.constex
 
 @triton.jit
 def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, page,
-                       D: tl.constexpr, G4: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                       ASM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G4: tl.constexpr,
-                       BLOCK_NB: tl.constexpr):
+                     D: tl.constexpr, G4: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                     ASM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G4: tl.constexpr,
+                     BLOCK_NB: tl.constexpr):
     """Scores (log2 units) of the 4 token quarters of key page `page`, each (token, head). q_cols: (BLOCK_H,)
     pointers to the query rows, hmask: the real ones. OFFSET: the code operands are M + w_i * code
     (_quarters_offset); with bsum the column sums of the other operand, the products give M * bsum + w_i * scores,
@@ -198,15 +216,7 @@ def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
         b = (q * scale[:, None]).to(DOT)
         tile = tl.load(klow_ptr + page * (G4 * D) + j[:, None] * D + d[None, :], mask=jmask & dmask[None, :],
                        other=0)                                                 # (token-in-quarter, channel)
-        if OFFSET:
-            k0, k1, k2, k3 = _quarters_offset(tile, DOT, ASM)
-            bsum += tl.sum(b.to(tl.float32), axis=0)                           # the rounded operand the MMA sees
-        else:
-            k0, k1, k2, k3 = _quarters(tile, DOT, ASM)
-        s0 = tl.dot(k0, b, s0, input_precision=PREC)
-        s1 = tl.dot(k1, b, s1, input_precision=PREC)
-        s2 = tl.dot(k2, b, s2, input_precision=PREC)
-        s3 = tl.dot(k3, b, s3, input_precision=PREC)
+        s0, s1, s2, s3, bsum = _plane_products(tile, b, s0, s1, s2, s3, bsum, DOT, PREC, ASM, OFFSET)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         r = tl.arange(0, BLOCK_NB)
@@ -217,15 +227,7 @@ def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
         b = (q_ch.to(tl.float32) * qk_scale * (4.0 * ch_scale)[:, None]).to(DOT)
         tile = tl.load(khigh_ptr + page * (G4 * NB) + j[:, None] * NB + r[None, :], mask=jmask & nbmask[None, :],
                        other=0)
-        if OFFSET:
-            h0, h1, h2, h3 = _quarters_offset(tile, DOT, ASM)
-            bsum += tl.sum(b.to(tl.float32), axis=0)
-        else:
-            h0, h1, h2, h3 = _quarters(tile, DOT, ASM)
-        s0 = tl.dot(h0, b, s0, input_precision=PREC)
-        s1 = tl.dot(h1, b, s1, input_precision=PREC)
-        s2 = tl.dot(h2, b, s2, input_precision=PREC)
-        s3 = tl.dot(h3, b, s3, input_precision=PREC)
+        s0, s1, s2, s3, bsum = _plane_products(tile, b, s0, s1, s2, s3, bsum, DOT, PREC, ASM, OFFSET)
     if OFFSET:                                          # s_i = M * bsum + w_i * scores_i
         offset = OFFSET_MAGIC * bsum
         return (s0 + (zq - offset)[None, :], s1 * (1.0 / OFFSET_W1) + (zq - offset / OFFSET_W1)[None, :],
@@ -236,7 +238,7 @@ def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
 
 @triton.jit
 def _fp_key_scores(q_cols, hmask, qk_scale, kfp_ptr, row0, n_valid, D: tl.constexpr, G4: tl.constexpr,
-                     DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G4: tl.constexpr):
+                   DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G4: tl.constexpr):
     """Scores (log2 units, (token, head)) of the 4 token quarters of up to 4*G4 full-precision keys from row
     `row0` of k_fp."""
     j = tl.arange(0, BLOCK_G4)
@@ -264,7 +266,7 @@ def _fp_key_scores(q_cols, hmask, qk_scale, kfp_ptr, row0, n_valid, D: tl.conste
 
 @triton.jit
 def _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4: tl.constexpr, BLOCK_G4: tl.constexpr,
-                      MASKED: tl.constexpr):
+                    MASKED: tl.constexpr):
     """Mask the 4 quarters' scores ((token, head) tiles in log2 units; with MASKED, tokens >= n_valid are out),
     update the running max and sum per head. Returns the probabilities, the factor the running output must be
     multiplied by, the new max / sum."""
@@ -288,9 +290,9 @@ def _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4: tl.constexpr, BLOCK_G
 
 @triton.jit
 def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, page,
-                     quarter: tl.constexpr, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr,
-                     DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr,
-                     BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
+                   quarter: tl.constexpr, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr,
+                   DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr,
+                   BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
     """Accumulate token quarter `quarter` of value page `page` (p: (token, head)): the 4 channel quarters into
     acc0..acc3 ((channel, head) each) and the zero-point term sum_t p_t * zero_t into zacc. OFFSET: the code
     operands are M + w_i * code, so acc_i also gathers M * pacc (pacc: the column sums of the other operand)."""
@@ -305,32 +307,19 @@ def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr, v
     b = (p * vscale[:, None]).to(DOT)
     offs = page * (D4 * G) + c[:, None] * G + tok[None, :]                    # (channel byte, token), tokens contiguous
     mask = (c < D4)[:, None] & jmask[None, :]
-    if OFFSET:
-        v0, v1, v2, v3 = _quarters_offset(tl.load(vlow_ptr + offs, mask=mask, other=0), DOT, ASM)
-        pacc += tl.sum(b.to(tl.float32), axis=0) * (5.0 if V_BITS == 4 else 1.0)   # the high plane's is 4x
-    else:
-        v0, v1, v2, v3 = _quarters(tl.load(vlow_ptr + offs, mask=mask, other=0), DOT, ASM)
-    acc0 = tl.dot(v0, b, acc0, input_precision=PREC)
-    acc1 = tl.dot(v1, b, acc1, input_precision=PREC)
-    acc2 = tl.dot(v2, b, acc2, input_precision=PREC)
-    acc3 = tl.dot(v3, b, acc3, input_precision=PREC)
+    acc0, acc1, acc2, acc3, pacc = _plane_products(tl.load(vlow_ptr + offs, mask=mask, other=0), b, acc0, acc1,
+                                                   acc2, acc3, pacc, DOT, PREC, ASM, OFFSET)
     if V_BITS == 4:
         b = (b.to(tl.float32) * 4.0).to(DOT)                                   # exact: the high bits weigh 4
-        if OFFSET:
-            v0, v1, v2, v3 = _quarters_offset(tl.load(vhigh_ptr + offs, mask=mask, other=0), DOT, ASM)
-        else:
-            v0, v1, v2, v3 = _quarters(tl.load(vhigh_ptr + offs, mask=mask, other=0), DOT, ASM)
-        acc0 = tl.dot(v0, b, acc0, input_precision=PREC)
-        acc1 = tl.dot(v1, b, acc1, input_precision=PREC)
-        acc2 = tl.dot(v2, b, acc2, input_precision=PREC)
-        acc3 = tl.dot(v3, b, acc3, input_precision=PREC)
+        acc0, acc1, acc2, acc3, pacc = _plane_products(tl.load(vhigh_ptr + offs, mask=mask, other=0), b, acc0,
+                                                       acc1, acc2, acc3, pacc, DOT, PREC, ASM, OFFSET)
     return acc0, acc1, acc2, acc3, zacc, pacc
 
 
 @triton.jit
 def _fp_value_quarter(p, acc0, acc1, acc2, acc3, vfp_ptr, row0, n_valid, quarter: tl.constexpr, D: tl.constexpr,
-                        G4: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, OFFSET: tl.constexpr,
-                        BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
+                      G4: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, OFFSET: tl.constexpr,
+                      BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
     """Accumulate token quarter `quarter` of up to 4*G4 full-precision values from row `row0` of v_fp. OFFSET:
     channel quarter i's accumulator holds w_i * output (see _value_quarter), so these terms are scaled alike
     (by a power of 2: exact)."""
@@ -353,22 +342,22 @@ def _fp_value_quarter(p, acc0, acc1, acc2, acc3, vfp_ptr, row0, n_valid, quarter
 
 @triton.jit
 def _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
-                  vpage, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr,
-                  PREC: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_G4: tl.constexpr,
-                  BLOCK_D4: tl.constexpr):
+                vpage, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr,
+                PREC: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_G4: tl.constexpr,
+                BLOCK_D4: tl.constexpr):
     """All 4 token quarters of value page `vpage`."""
     acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 0, G, D4, V_BITS, DOT, PREC,
-                                                          ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+                                                        vscale_ptr, vzero_ptr, vpage, 0, G, D4, V_BITS, DOT, PREC,
+                                                        ASM, OFFSET, BLOCK_G4, BLOCK_D4)
     acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 1, G, D4, V_BITS, DOT, PREC,
-                                                          ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+                                                        vscale_ptr, vzero_ptr, vpage, 1, G, D4, V_BITS, DOT, PREC,
+                                                        ASM, OFFSET, BLOCK_G4, BLOCK_D4)
     acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 2, G, D4, V_BITS, DOT, PREC,
-                                                          ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+                                                        vscale_ptr, vzero_ptr, vpage, 2, G, D4, V_BITS, DOT, PREC,
+                                                        ASM, OFFSET, BLOCK_G4, BLOCK_D4)
     acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
-                                                          vscale_ptr, vzero_ptr, vpage, 3, G, D4, V_BITS, DOT, PREC,
-                                                          ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+                                                        vscale_ptr, vzero_ptr, vpage, 3, G, D4, V_BITS, DOT, PREC,
+                                                        ASM, OFFSET, BLOCK_G4, BLOCK_D4)
     return acc0, acc1, acc2, acc3, zacc, pacc
 
 
@@ -412,16 +401,16 @@ def _decode_split_kernel(
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
         s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                            kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M, BLOCK_G4,
-                                            BLOCK_NB)
+                                          kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M, BLOCK_G4,
+                                          BLOCK_NB)
         p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4,
-                                                            BLOCK_G4 != G4)
+                                                          BLOCK_G4 != G4)
         alpha_row = alpha[None, :]
         acc0, acc1, acc2, acc3 = acc0 * alpha_row, acc1 * alpha_row, acc2 * alpha_row, acc3 * alpha_row
         zacc, pacc = zacc * alpha, pacc * alpha
         acc0, acc1, acc2, acc3, zacc, pacc = _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc,
-                                                           vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, vpage, G, D4,
-                                                           V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+                                                         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, vpage, G, D4,
+                                                         V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
 
     for blk in range(rest, tl.minimum(rest + 1, n_rest)):   # at most one remaining block per program
         in_sink = blk < n_sink_blocks
@@ -430,31 +419,31 @@ def _decode_split_kernel(
         if (blk >= n_sink_blocks) & (slot < nkp):
             kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
             s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                                kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
-                                                BLOCK_G4, BLOCK_NB)
+                                              kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
+                                              BLOCK_G4, BLOCK_NB)
         else:
             row0 = tl.where(in_sink, blk * G, S + (slot - nkp) * G)
             s0, s1, s2, s3 = _fp_key_scores(q_cols, hmask, qk_scale, kfp_ptr + kv_head * CK * D, row0, n_valid,
-                                              D, G4, DOT, PREC, BLOCK_M, BLOCK_G4)
+                                            D, G4, DOT, PREC, BLOCK_M, BLOCK_G4)
         # a program with a remaining block has no paged ones (_program_blocks): nothing accumulated to rescale
         p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4, BLOCK_G4, True)
         if (blk >= n_sink_blocks) & (slot < nvp):
             vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
             acc0, acc1, acc2, acc3, zacc, pacc = _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc,
-                                                               vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, vpage, G,
-                                                               D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4,
-                                                               BLOCK_D4)
+                                                             vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, vpage, G,
+                                                             D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4,
+                                                             BLOCK_D4)
         else:
             row0 = tl.where(in_sink, blk * G, S + (slot - nvp) * G)
             vfp = vfp_ptr + kv_head * CV * D
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p0, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 0, D, G4,
-                                                         DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
+                                                       DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p1, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 1, D, G4,
-                                                         DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
+                                                       DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p2, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 2, D, G4,
-                                                         DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
+                                                       DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
             acc0, acc1, acc2, acc3 = _fp_value_quarter(p3, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 3, D, G4,
-                                                         DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
+                                                       DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
 
     idx = (b * H * GROUP + h * GROUP + heads).to(tl.int64) * NPART + part
     tl.store(pm_ptr + idx, m_i, mask=hmask)
