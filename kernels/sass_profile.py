@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (Hopper: 90)")
     parser.add_argument("--warps", type=int, default=1, help="warps per program (decode_attention's num_warps)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
-    parser.add_argument("--maxnreg", type=int, help="register cap per thread (default: the kernel's, as decode_attention; 255: the compiler's choice)")
+    parser.add_argument("--maxnreg", type=int,
+                        help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run with TRITON_INTERPRET=0: without a GPU, importing kernels/ turns Triton's interpreter on, "

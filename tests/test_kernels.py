@@ -163,7 +163,7 @@ def run_unpack_ptx(asm: str, word: int, dtype: torch.dtype) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("dtype,offset", [(torch.bfloat16, True), (torch.float16, False), (torch.float16, True)])
+@pytest.mark.parametrize("dtype,offset", [(torch.bfloat16, True), (torch.float16, False)])   # what the kernel runs
 def test_unpack_ptx_turns_every_byte_into_its_four_codes(dtype, offset):
     """The GPU path's bit trick (its exact PTX text, executed here): a word of bytes b0..b3 gives, for quarter
     i, the pairs (b0, b1) in $2i and (b2, b3) in $2i+1 of field i, exactly, for all 256 values of every byte
