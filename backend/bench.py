@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -83,14 +84,29 @@ def copy_bandwidth() -> float | None:
     return 2 * src.numel() / seconds / 1e9
 
 
+# The files whose contents decide a measured figure: their git blob ids go with every result, because the device
+# machine receives a copy of the working tree without the session's commits (`git log --find-object=ID` here
+# names the commits that hold a file as measured).
+MEASURED_SOURCES = ("kernels/decode_attention.py", "kernels/quantize.py", "kernels/flush.py", "backend/cache.py",
+                    "backend/graphs.py", "backend/bench.py")
+
+
+def git_blob_id(path: Path) -> str:
+    """The id `git hash-object` gives the file's contents."""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 def environment() -> dict:
     import transformers
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    root = Path(__file__).resolve().parent.parent
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": gpu,
             "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__,
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-            "command": "python -m backend.bench " + " ".join(sys.argv[1:])}
+            "command": "python -m backend.bench " + " ".join(sys.argv[1:]),
+            "sources": {name: git_blob_id(root / name) for name in MEASURED_SOURCES}}
 
 
 # ---------------------------------------------------------------------------------------------- attention

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,19 @@ def test_step_profile_quick_splits_ordinary_and_page_boundary_steps(tmp_path):
     assert kitty["page_boundary"]["top_host_ops"] and kitty["page_boundary"]["top_host_ops"][0]["self_cpu_ms"] > 0
     # on a CPU nothing is replayed: the cache's steps run eagerly, and the row says so
     assert graphed["cuda_graphs"] == {"captures": 0, "replays": 0, "disabled": None}
+
+
+def test_results_name_the_measured_sources_by_git_blob_id(tmp_path):
+    """Every result's env carries the git blob ids of the files that decide its figures (the device machine has
+    no git history of the session): each equals `git hash-object` of the file, and changes with its contents."""
+    from backend.bench import MEASURED_SOURCES, environment, git_blob_id
+    sources = environment()["sources"]
+    assert sorted(sources) == sorted(MEASURED_SOURCES)
+    copy = tmp_path / "kernel.py"
+    copy.write_bytes((ROOT / MEASURED_SOURCES[0]).read_bytes() + b"\n")
+    assert git_blob_id(copy) != sources[MEASURED_SOURCES[0]]
+    if shutil.which("git") is None:
+        pytest.skip("no git here to compare with")
+    for name, blob in sources.items():
+        hashed = subprocess.run(["git", "hash-object", str(ROOT / name)], capture_output=True, text=True, check=True)
+        assert blob == hashed.stdout.strip(), name
