@@ -2,7 +2,8 @@
 
     TRITON_INTERPRET=0 python -m kernels.sass_profile [--method kitty-pro ...] [--dtype bf16] [--group 4] [--arch 90]
 
-Prints registers per thread, spill stack, shared memory and the kernel's instructions by class (matrix,
+Prints registers per thread, spill stack, shared memory and the kernel's instructions by class, for the whole
+kernel and for the body of its loop over paged blocks ("loop ...": what one page costs a warp) (matrix,
 shared / local / global memory, barriers, integer, int-float conversions, float), read with the nvdisasm and
 cuobjdump that ship with Triton. These are counts, not times: they show register spills, shared-memory round
 trips, quarter-rate conversions and whether loads were software-pipelined (cp.async) before a GPU is at hand.
@@ -86,13 +87,36 @@ def profile(compiled) -> dict:
                               check=True).stdout
         usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin.name],
                                capture_output=True, text=True, check=True).stdout
-    opcodes = collections.Counter(m.group(1) for m in re.finditer(
-        r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.MULTILINE))
+    opcodes = _opcodes(sass.splitlines())
     row = {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
            "stack bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
            "shared bytes": compiled.metadata.shared, "instructions": sum(opcodes.values())}
     row.update({name: sum(opcodes[op] for op in ops) for name, ops in CLASSES.items()})
+    # the kernel's first loop is the one over paged blocks (the remaining blocks' loop follows it): its body is
+    # what one page costs a warp
+    loop = _opcodes((_loop_bodies(sass.splitlines()) or [[]])[0])
+    row["loop instructions"] = sum(loop.values())
+    row.update({f"loop {name}": sum(loop[op] for op in ops) for name, ops in CLASSES.items()})
     return row
+
+
+INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def _opcodes(lines: list[str]) -> collections.Counter:
+    return collections.Counter(m.group(1) for m in map(INSTRUCTION.match, lines) if m)
+
+
+def _loop_bodies(lines: list[str]) -> list[list[str]]:
+    """The SASS lines from each label to a later branch back to it (nvdisasm's `.L_x_N:` labels), in the order
+    their branches appear."""
+    labels = {m.group(1): i for i, m in enumerate(re.match(r"\s*\.L_x_(\d+):", line) for line in lines) if m}
+    bodies = []
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA.*`\(\.L_x_(\d+)\)", line)
+        if target and labels.get(target.group(1), i) < i:
+            bodies.append(lines[labels[target.group(1)]:i + 1])
+    return bodies
 
 
 def main(argv=None) -> int:
