@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.testing
 
-from kernels.decode_attention import MAXNREG, decode_attention, default_splits  # on a CPU: Triton interpreted
+from kernels.decode_attention import MAXNREG, PREFETCH, decode_attention, default_splits  # on a CPU: Triton interpreted
 
 from . import memory
 from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
@@ -231,21 +231,24 @@ def bench_tune(args) -> dict:
             kv = layer.paged()
             pages = max(1, kv.k_table.shape[1])
             chosen = default_splits(batch, h, pages, sm_count)
-            # the split count around the default (1 warp, 3 stages, register cap MAXNREG), then at the default split
-            # other register caps (a cap buys resident programs with spills) and pipeline depths
+            # the split count around the default (1 warp, 3 stages, register cap MAXNREG, prefetch PREFETCH), then
+            # at the default split other register caps (a cap buys resident programs with spills), pipeline depths
+            # and prefetch targets
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            settings = [(1, 3, n, MAXNREG) for n in splits] + [(1, 3, chosen, r) for r in (255, 168, 128, 96)
-                                                               if r != MAXNREG] + [
-                (1, stages, chosen, MAXNREG) for stages in (1, 2, 4)]
-            for warps, stages, n, cap in settings:
+            default = (1, 3, chosen, MAXNREG, PREFETCH)
+            settings = [(1, 3, n, MAXNREG, PREFETCH) for n in splits] + [
+                (1, 3, chosen, r, PREFETCH) for r in (255, 168, 128, 96) if r != MAXNREG] + [
+                (1, stages, chosen, MAXNREG, PREFETCH) for stages in (1, 2, 4)] + [
+                (1, 3, chosen, MAXNREG, where) for where in (0, 1, 2) if where != PREFETCH]
+            for warps, stages, n, cap, where in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=n, num_warps=warps,  # noqa: E731
-                                               num_stages=stages, maxnreg=cap)
+                                               num_stages=stages, maxnreg=cap, prefetch=where)
                 seconds = median_seconds(run, args.quick)
                 rows.append(dict(batch=batch, tokens=length, method=method, warps=warps, stages=stages, splits=n,
-                                 maxnreg=cap, default=(warps, stages, n, cap) == (1, 3, chosen, MAXNREG),
+                                 maxnreg=cap, prefetch=where, default=(warps, stages, n, cap, where) == default,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
-                print(f"{batch:>3} {length:>6} warps {warps} stages {stages} splits {n:>4} maxnreg {cap:>3}"
-                      f"{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
+                print(f"{batch:>3} {length:>6} warps {warps} stages {stages} splits {n:>4} maxnreg {cap:>3} "
+                      f"prefetch {where}{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
                       f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
             del layer, kv, k, v
             if device == "cuda":
@@ -523,9 +526,11 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         fig.update_layout(title=f"One comparison on {result['device']} ({', '.join(rows[0]['tokens'])})",
                           yaxis_title="seconds", barmode="group")
     elif result["kind"] == "tune":
-        for setting in dict.fromkeys((r["warps"], r["stages"], r["maxnreg"]) for r in rows):
-            sel = [r for r in rows if (r["warps"], r["stages"], r["maxnreg"]) == setting]
-            fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}",
+        setting_of = lambda r: (r["warps"], r["stages"], r["maxnreg"], r.get("prefetch"))  # noqa: E731
+        for setting in dict.fromkeys(map(setting_of, rows)):
+            sel = [r for r in rows if setting_of(r) == setting]
+            fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}, "
+                             f"prefetch {setting[3]}",
                         x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")

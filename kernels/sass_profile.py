@@ -23,7 +23,7 @@ import torch
 
 CLASSES = {
     "matrix": ("HMMA", "HGMMA"), "shared ld/st": ("LDS", "STS", "LDSM"), "local ld/st": ("LDL", "STL"),
-    "global ld/st": ("LDG", "STG"), "cp.async": ("LDGSTS",), "barrier": ("BAR",),
+    "global ld/st": ("LDG", "STG"), "cp.async": ("LDGSTS",), "prefetch": ("CCTL",), "barrier": ("BAR",),
     "integer": ("SHF", "LOP3", "IMAD", "IADD3", "PRMT", "SEL", "ISETP"),
     "int-float cvt": ("I2F", "F2F", "I2FP", "F2FP", "F2I"),
     "float": ("FMUL", "FADD", "FFMA", "FMNMX", "MUFU", "FSETP", "FSEL"),
@@ -50,19 +50,21 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None):
+                         maxnreg: int | None = None, prefetch: int | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.decode_attention import MAXNREG, _decode_split_kernel, remaining_blocks, split_kernel_arguments
+    from kernels.decode_attention import (MAXNREG, PREFETCH, _decode_split_kernel, remaining_blocks,
+                                          split_kernel_arguments)
     maxnreg = maxnreg or MAXNREG
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     n = splits + remaining_blocks(kv)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
-    args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
+    args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits,
+                                             PREFETCH if prefetch is None else prefetch)
     names = _decode_split_kernel.arg_names
     signature, attrs = {}, {}
     for i, (name, value) in enumerate(zip(names, args)):
@@ -129,6 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
+    parser.add_argument("--prefetch", type=int, choices=[0, 1, 2],
+                        help="where the next page's vectors are prefetched: 0 nowhere, 1 L1, 2 L2 (default: PREFETCH)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run with TRITON_INTERPRET=0: without a GPU, importing kernels/ turns Triton's interpreter on, "
@@ -137,7 +141,8 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         row = profile(compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
-                                               num_stages=args.stages, maxnreg=args.maxnreg))
+                                               num_stages=args.stages, maxnreg=args.maxnreg,
+                                           prefetch=args.prefetch))
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return 0
 
