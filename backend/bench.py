@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.testing
 
-from kernels.decode_attention import MAXNREG, PREFETCH, decode_attention, default_splits  # on a CPU: Triton interpreted
+# on a CPU: Triton interpreted
+from kernels.decode_attention import MAXNREG, PREFETCH, STAGE_Q, decode_attention, default_splits
 
 from . import memory
 from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
@@ -213,8 +214,8 @@ def bench_attention(args) -> dict:
 
 def bench_tune(args) -> dict:
     """The decode kernel's launch settings on one method, at each shape: programs over the paged blocks of each
-    (sequence, KV head), register caps and pipeline depths, with the default choice marked. What the defaults
-    (default_splits, MAXNREG) were set from."""
+    (sequence, KV head), register caps, pipeline depths, prefetch targets and query placements, with the default
+    choice marked. What the defaults (default_splits, MAXNREG, PREFETCH, STAGE_Q) were set from."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hq, h, d = (32, 8, 128) if not args.quick else (8, 2, 64)
@@ -231,24 +232,26 @@ def bench_tune(args) -> dict:
             kv = layer.paged()
             pages = max(1, kv.k_table.shape[1])
             chosen = default_splits(batch, h, pages, sm_count)
-            # the split count around the default (1 warp, 3 stages, register cap MAXNREG, prefetch PREFETCH), then
-            # at the default split other register caps (a cap buys resident programs with spills), pipeline depths
-            # and prefetch targets
+            # the split count around the default (1 warp, 3 stages, register cap MAXNREG, prefetch PREFETCH, query
+            # staged STAGE_Q), then at the default split other register caps (a cap buys resident programs with
+            # spills), pipeline depths, prefetch targets and query placements
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            default = (1, 3, chosen, MAXNREG, PREFETCH)
-            settings = [(1, 3, n, MAXNREG, PREFETCH) for n in splits] + [
-                (1, 3, chosen, r, PREFETCH) for r in (255, 168, 128, 96) if r != MAXNREG] + [
-                (1, stages, chosen, MAXNREG, PREFETCH) for stages in (1, 2, 4)] + [
-                (1, 3, chosen, MAXNREG, where) for where in (0, 1, 2) if where != PREFETCH]
-            for warps, stages, n, cap, where in settings:
-                run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=n, num_warps=warps,  # noqa: E731
-                                               num_stages=stages, maxnreg=cap, prefetch=where)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, prefetch=PREFETCH, stage_q=STAGE_Q)
+            settings = [{**base, "splits": n} for n in splits] + [
+                {**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG] + [
+                {**base, "stages": stages} for stages in (1, 2, 4)] + [
+                {**base, "prefetch": where, "stage_q": staged} for where in (0, 1, 2) for staged in (False, True)
+                if (where, staged) != (PREFETCH, STAGE_Q)]
+            for setting in settings:
+                run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
+                                               num_warps=setting["warps"], num_stages=setting["stages"],
+                                               maxnreg=setting["maxnreg"], prefetch=setting["prefetch"],
+                                               stage_q=setting["stage_q"])
                 seconds = median_seconds(run, args.quick)
-                rows.append(dict(batch=batch, tokens=length, method=method, warps=warps, stages=stages, splits=n,
-                                 maxnreg=cap, prefetch=where, default=(warps, stages, n, cap, where) == default,
+                rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
-                print(f"{batch:>3} {length:>6} warps {warps} stages {stages} splits {n:>4} maxnreg {cap:>3} "
-                      f"prefetch {where}{' (default)' if rows[-1]['default'] else ''}: {seconds * 1e6:9.1f} us "
+                print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {int(v)}" for k, v in setting.items())
+                      + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
                       f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
             del layer, kv, k, v
             if device == "cuda":
@@ -526,11 +529,13 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         fig.update_layout(title=f"One comparison on {result['device']} ({', '.join(rows[0]['tokens'])})",
                           yaxis_title="seconds", barmode="group")
     elif result["kind"] == "tune":
-        setting_of = lambda r: (r["warps"], r["stages"], r["maxnreg"], r.get("prefetch"))  # noqa: E731
+        def setting_of(r):
+            return r["warps"], r["stages"], r["maxnreg"], r.get("prefetch"), r.get("stage_q")
+
         for setting in dict.fromkeys(map(setting_of, rows)):
             sel = [r for r in rows if setting_of(r) == setting]
             fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}, "
-                             f"prefetch {setting[3]}",
+                             f"prefetch {setting[3]}, query staged {setting[4]}",
                         x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")

@@ -17,8 +17,8 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (MAGIC, PREFETCH, DecodeWorkspace, decode_attention, decode_attention_ref,
-                                      field_weights, gather_kv, remaining_blocks, unpack_asm)
+from kernels.decode_attention import (MAGIC, PREFETCH, STAGE_Q, DecodeWorkspace, decode_attention,
+                                      decode_attention_ref, field_weights, gather_kv, remaining_blocks, unpack_asm)
 from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
 from kernels.layout import boost_mask, pack_quarters, unpack_quarters
 from kernels.quantize import (channel_error, channel_error_ref, choose_boost, quantize_keys, quantize_keys_ref,
@@ -206,12 +206,16 @@ def test_decode_attention_matches_reference(case):
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-    # on a GPU also the other prefetch targets (the interpreter prefetches nothing: its kernel has no asm)
-    settings = [(n, PREFETCH) for n in (1, 3, None)] + [(3, p) for p in (0, 1, 2) if p != PREFETCH and DEVICE == "cuda"]
-    for splits, prefetch in settings:
-        out = decode_attention(q, kv, d ** -0.5, num_splits=splits, prefetch=prefetch)
+    # on a GPU also the other prefetch targets and query placements (the interpreter prefetches nothing: its kernel
+    # has no asm)
+    settings = [(n, PREFETCH, STAGE_Q) for n in (1, 3, None)] + [
+        (3, p, staged) for p in (0, 1, 2) for staged in (False, True)
+        if (p, staged) != (PREFETCH, STAGE_Q) and DEVICE == "cuda"]
+    for splits, prefetch, stage_q in settings:
+        out = decode_attention(q, kv, d ** -0.5, num_splits=splits, prefetch=prefetch, stage_q=stage_q)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
-        assert rel_err(out, ref) < tol, f"splits={splits}, prefetch={prefetch}: {rel_err(out, ref):.2e}"
+        setting = f"{splits} splits, prefetch {prefetch}, stage_q {stage_q}"
+        assert rel_err(out, ref) < tol, f"{setting}: {rel_err(out, ref):.2e}"
 
 
 @pytest.mark.parametrize("method", ["fp16", "kivi-k4v4", "kitty-pro"])
