@@ -234,12 +234,14 @@ def bench_tune(args) -> dict:
             chosen = default_splits(batch, h, pages, sm_count)
             # the split count around the default (1 warp, 3 stages, register cap MAXNREG, prefetch PREFETCH, query
             # staged STAGE_Q), then at the default split other register caps (a cap buys resident programs with
-            # spills), pipeline depths, prefetch targets and query placements
+            # spills), pipeline depths, two warps per program (each a half of every page: no spills at 128
+            # registers, a third more instructions in all), prefetch targets and query placements
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, prefetch=PREFETCH, stage_q=STAGE_Q)
             settings = [{**base, "splits": n} for n in splits] + [
                 {**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG] + [
                 {**base, "stages": stages} for stages in (1, 2, 4)] + [
+                {**base, "warps": 2, "maxnreg": r} for r in (128, 96)] + [
                 {**base, "prefetch": where, "stage_q": staged} for where in (0, 1, 2) for staged in (False, True)
                 if (where, staged) != (PREFETCH, STAGE_Q)]
             for setting in settings:
