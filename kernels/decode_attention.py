@@ -191,8 +191,7 @@ def _program_blocks(seqlen_ptr, nkp_ptr, nvp_ptr, b, part, NSPLIT, S: tl.constex
 @triton.jit
 def _query_quarters(q_cols, hmask, qk_scale, D: tl.constexpr, BLOCK_D4: tl.constexpr):
     """The query rows (q_cols: (BLOCK_H,) pointers, hmask: the real ones) times qk_scale as 4 (channel, head) tiles
-    of D / 4 channels each, float32: loaded once per program, before its loop over pages (the loop has prefetches
-    with side effects, so the compiler would not hoist the loads out of it)."""
+    of D / 4 channels each, float32: loaded once per program, before its loop over pages (without STAGE_Q)."""
     c = tl.arange(0, BLOCK_D4)
     ptrs = q_cols[None, :] + c[:, None]
     mask = (c < D // 4)[:, None] & hmask[None, :]
@@ -238,7 +237,7 @@ def _key_page_scores(q0, q1, q2, q3, q_cols, hmask, qk_scale, klow_ptr, khigh_pt
         k = tl.arange(0, BLOCK_D4)
         d = chunk * (D // 4) + k
         dmask = k < D // 4
-        if STAGE_Q:       # loaded in the loop: Triton stages the loads through shared memory a page ahead
+        if STAGE_Q:       # loaded in the loop over pages: Triton stages the loads through shared memory
             q = tl.load(q_cols[None, :] + d[:, None], mask=dmask[:, None] & hmask[None, :], other=0.0)
             q = q.to(tl.float32) * qk_scale                                     # (channel, head)
         else:             # held in registers (some spilled) for the whole loop
@@ -394,41 +393,6 @@ def _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vh
     return acc0, acc1, acc2, acc3, zacc, pacc
 
 
-PREFETCH_L1 = tl.constexpr("prefetch.global.L1 [$1]; mov.u32 $0, 0;")
-PREFETCH_L2 = tl.constexpr("prefetch.global.L2 [$1]; mov.u32 $0, 0;")
-
-
-@triton.jit
-def _prefetch(ptrs, PREFETCH: tl.constexpr):
-    """Start bringing the cache lines of `ptrs` into L1 (PREFETCH 1) or L2 (2); 0: nothing (the interpreter)."""
-    if PREFETCH == 1:
-        tl.inline_asm_elementwise(asm=PREFETCH_L1, constraints="=r,l", args=[ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    if PREFETCH == 2:
-        tl.inline_asm_elementwise(asm=PREFETCH_L2, constraints="=r,l", args=[ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_slot(ktab_ptr, vtab_ptr, kscale_ptr, kzero_ptr, kch_ptr, vscale_ptr, vzero_ptr, b, h, slot, valid,
-                   KMP, VMP, H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
-                   PREFETCH: tl.constexpr):
-    """Prefetch the small per-page vectors of slot `slot` (scales and zero points of its key and value pages, the
-    key page's boosted channels): the kernel reads them in pieces of 2 bytes per thread, which Triton does not
-    software-pipeline (cp.async needs 4 or more), so without this every page waited for ~20 of them from DRAM one
-    after another (the stalls in BENCHMARKS.md section 1). Issued a page ahead, while the page before is computed."""
-    if PREFETCH > 0:
-        kpage = tl.load(ktab_ptr + b * KMP + slot, mask=valid, other=0).to(tl.int64) * H + h
-        vpage = tl.load(vtab_ptr + b * VMP + slot, mask=valid, other=0).to(tl.int64) * H + h
-        line = tl.arange(0, 4) * 64                     # one address per 128-byte line of up to 256 16-bit values
-        _prefetch(kscale_ptr + kpage * D + tl.minimum(line, D - 1), PREFETCH)
-        _prefetch(kzero_ptr + kpage * D + tl.minimum(line, D - 1), PREFETCH)
-        _prefetch(vscale_ptr + vpage * G + tl.minimum(line, G - 1), PREFETCH)
-        _prefetch(vzero_ptr + vpage * G + tl.minimum(line, G - 1), PREFETCH)
-        if NB > 0:
-            _prefetch(kch_ptr + kpage * NB + tl.arange(0, 1), PREFETCH)
-
-
 # Sizes that grow during generation are not specialized on (Triton would compile a new variant whenever one
 # becomes a multiple of 16, stalling a decode step for a second or more).
 @triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT", "NPART"])
@@ -442,7 +406,7 @@ def _decode_split_kernel(
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
-        BLOCK_NB: tl.constexpr, PREFETCH: tl.constexpr, STAGE_Q: tl.constexpr):
+        BLOCK_NB: tl.constexpr, STAGE_Q: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
@@ -469,9 +433,10 @@ def _decode_split_kernel(
     for slot in range(start, end):                      # both pages quantized: no branch in the loop body
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-        _prefetch_slot(ktab_ptr, vtab_ptr, kscale_ptr, kzero_ptr, kch_ptr, vscale_ptr, vzero_ptr, b, h, slot + 1,
-                       slot + 1 < end, KMP, VMP, H, D, G, NB, PREFETCH)
-        s0, s1, s2, s3 = _key_page_scores(q0, q1, q2, q3, q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr,
+        q_rows = q_cols
+        if STAGE_Q:   # an address that depends on the page read (never negative), so the query's loads stay in the
+            q_rows = q_cols + tl.where(kpage < 0, D, 0)     # loop: Triton stages them like the page's tiles
+        s0, s1, s2, s3 = _key_page_scores(q0, q1, q2, q3, q_rows, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr,
                                           kscale_ptr, kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, STAGE_Q,
                                           BLOCK_M, BLOCK_G4, BLOCK_D4, BLOCK_NB)
         p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4,
@@ -578,11 +543,9 @@ REGISTERS_PER_SM = 65536      # 32-bit registers of an H100 / H200 multiprocesso
 # multiprocessor); at 128 the main loop spills about 50 of its ~2,500 instructions per page to L1, and the 16
 # resident programs more than pay for that: 801 against 1,108 us at batch 64 / 32K (BENCHMARKS.md section 1).
 MAXNREG = 128
-# Where the decode kernel prefetches the next page's scales, zero points and boosted channels: 1 L1, 2 L2, 0 not
-# (_prefetch_slot); and whether it loads the query in its loop over pages (STAGE_Q: Triton stages it through
-# shared memory, +2 KB per program) or holds it in registers. Measured on the H200 in BENCHMARKS.md section 1
-# (`python -m backend.bench tune`).
-PREFETCH = 1
+# Whether the decode kernel loads the query in its loop over pages (Triton stages it through shared memory with the
+# page's tiles, +2 KB per program) or holds it in registers across the loop (where ~50 values per page spill):
+# 116 against 124 us at batch 8 / 32K (BENCHMARKS.md section 1, `python -m backend.bench tune`).
 STAGE_Q = True
 MIN_PAGES_PER_SPLIT = 2       # a program's set-up and first page's latency outweigh a single page of work
 
@@ -628,7 +591,7 @@ class DecodeWorkspace:
         return self.buffers
 
 
-def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int, prefetch: int = PREFETCH,
+def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int,
                            stage_q: bool = STAGE_Q) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
     (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each.
@@ -648,18 +611,17 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
                      ASM=0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0),
                      OFFSET=q.dtype == torch.bfloat16, BLOCK_M=max(8, triton.next_power_of_2(hq // h)),
                      BLOCK_G4=max(16, triton.next_power_of_2(g // 4)), BLOCK_D4=max(16, triton.next_power_of_2(d // 4)),
-                     BLOCK_NB=max(32, triton.next_power_of_2(kv.n_boost)), PREFETCH=0 if interpreted() else prefetch,
-                     STAGE_Q=stage_q)
+                     BLOCK_NB=max(32, triton.next_power_of_2(kv.n_boost)), STAGE_Q=stage_q)
     return args, constants
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int = MAXNREG, prefetch: int = PREFETCH, stage_q: bool = STAGE_Q) -> torch.Tensor:
+                     maxnreg: int = MAXNREG, stage_q: bool = STAGE_Q) -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
-    (defaults tuned on the H200; maxnreg 255 leaves it to the compiler); prefetch, stage_q: see PREFETCH. With a
+    (defaults tuned on the H200; maxnreg 255 leaves it to the compiler); stage_q: see STAGE_Q. With a
     workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
@@ -670,8 +632,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     num_parts = num_splits + remaining_blocks(kv)
     q = q.contiguous()
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
-    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, prefetch,
-                                             stage_q)
+    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, stage_q)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, num_parts, D=d,

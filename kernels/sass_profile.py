@@ -23,7 +23,7 @@ import torch
 
 CLASSES = {
     "matrix": ("HMMA", "HGMMA"), "shared ld/st": ("LDS", "STS", "LDSM"), "local ld/st": ("LDL", "STL"),
-    "global ld/st": ("LDG", "STG"), "cp.async": ("LDGSTS",), "prefetch": ("CCTL",), "barrier": ("BAR",),
+    "global ld/st": ("LDG", "STG"), "cp.async": ("LDGSTS",), "barrier": ("BAR",),
     "integer": ("SHF", "LOP3", "IMAD", "IADD3", "PRMT", "SEL", "ISETP"),
     "int-float cvt": ("I2F", "F2F", "I2FP", "F2FP", "F2I"),
     "float": ("FMUL", "FADD", "FFMA", "FMNMX", "MUFU", "FSETP", "FSEL"),
@@ -50,13 +50,12 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None, prefetch: int | None = None,
-                         stage_q: bool | None = None):
+                         maxnreg: int | None = None, stage_q: bool | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.decode_attention import (MAXNREG, PREFETCH, STAGE_Q, _decode_split_kernel, remaining_blocks,
+    from kernels.decode_attention import (MAXNREG, STAGE_Q, _decode_split_kernel, remaining_blocks,
                                           split_kernel_arguments)
     maxnreg = maxnreg or MAXNREG
     kv = example_paged_kv(method, heads, head_dim, dtype)
@@ -65,7 +64,6 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits,
-                                             PREFETCH if prefetch is None else prefetch,
                                              STAGE_Q if stage_q is None else stage_q)
     names = _decode_split_kernel.arg_names
     signature, attrs = {}, {}
@@ -133,8 +131,6 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
-    parser.add_argument("--prefetch", type=int, choices=[0, 1, 2],
-                        help="where the next page's vectors are prefetched: 0 nowhere, 1 L1, 2 L2 (default: PREFETCH)")
     parser.add_argument("--stage-q", type=int, choices=[0, 1],
                         help="1: the query loaded in the loop over pages, 0: held in registers (default: STAGE_Q)")
     args = parser.parse_args(argv)
@@ -146,7 +142,6 @@ def main(argv=None) -> int:
     for method in args.method:
         row = profile(compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                                num_stages=args.stages, maxnreg=args.maxnreg,
-                                           prefetch=args.prefetch,
                                            stage_q=None if args.stage_q is None else bool(args.stage_q)))
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return 0

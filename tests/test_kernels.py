@@ -17,7 +17,7 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (MAGIC, PREFETCH, STAGE_Q, DecodeWorkspace, decode_attention,
+from kernels.decode_attention import (MAGIC, STAGE_Q, DecodeWorkspace, decode_attention,
                                       decode_attention_ref, field_weights, gather_kv, remaining_blocks, unpack_asm)
 from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
 from kernels.layout import boost_mask, pack_quarters, unpack_quarters
@@ -206,15 +206,12 @@ def test_decode_attention_matches_reference(case):
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-    # on a GPU also the other prefetch targets and query placements (the interpreter prefetches nothing: its kernel
-    # has no asm)
-    settings = [(n, PREFETCH, STAGE_Q) for n in (1, 3, None)] + [
-        (3, p, staged) for p in (0, 1, 2) for staged in (False, True)
-        if (p, staged) != (PREFETCH, STAGE_Q) and DEVICE == "cuda"]
-    for splits, prefetch, stage_q in settings:
-        out = decode_attention(q, kv, d ** -0.5, num_splits=splits, prefetch=prefetch, stage_q=stage_q)
+    # on a GPU also the other query placement (the interpreter's kernel has no loop-invariant code motion to avoid)
+    settings = [(n, STAGE_Q) for n in (1, 3, None)] + [(3, not STAGE_Q)] * (DEVICE == "cuda")
+    for splits, stage_q in settings:
+        out = decode_attention(q, kv, d ** -0.5, num_splits=splits, stage_q=stage_q)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
-        setting = f"{splits} splits, prefetch {prefetch}, stage_q {stage_q}"
+        setting = f"{splits} splits, stage_q {stage_q}"
         assert rel_err(out, ref) < tol, f"{setting}: {rel_err(out, ref):.2e}"
 
 
@@ -291,14 +288,15 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
         assert run.returncode == 0, run.stderr[-2000:]
         return {k: int(v) for k, v in re.findall(r"([a-z][a-z .\-/]*?) (\d+)", run.stdout.split(":", 1)[1])}
 
-    counts = loop_counts("--prefetch", "1")
+    counts = loop_counts("--stage-q", "0")
     assert 0 < counts["registers"] <= 255 and counts["matrix"] > 0 and counts["instructions"] > 100, counts
     # the loop over paged blocks: part of the kernel, with its matrix products and pipelined page loads
     assert 100 < counts["loop instructions"] < counts["instructions"], counts
     assert 0 < counts["loop matrix"] < counts["matrix"] and counts["loop cp.async"] > 0, counts
-    # and the next page's key and value scales and zero points prefetched into L1 in it (one instruction each),
-    # which prefetch 0 leaves out
-    assert counts["loop prefetch"] == 4 and loop_counts("--prefetch", "0")["loop prefetch"] == 0, counts
+    # a staged query is copied in the loop with the pages' tiles (one more copy per channel quarter), fewer spills
+    staged = loop_counts("--stage-q", "1")
+    assert staged["loop cp.async"] >= counts["loop cp.async"] + 4, (staged, counts)
+    assert staged["loop local ld/st"] < counts["loop local ld/st"], (staged, counts)
     refused = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert refused.returncode == 2 and "TRITON_INTERPRET=0" in refused.stderr
 
