@@ -212,6 +212,9 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "stage_q")
+
+
 def bench_tune(args) -> dict:
     """The decode kernel's launch settings on one method, at each shape: programs over the paged blocks of each
     (sequence, KV head), register caps, pipeline depths, warps per program and query placements, with the default
@@ -238,10 +241,12 @@ def bench_tune(args) -> dict:
             # instructions in all) and the other query placement
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, stage_q=STAGE_Q)
-            settings = [{**base, "splits": n} for n in splits] + [
-                {**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG] + [
-                {**base, "stages": stages} for stages in (1, 2, 4)] + [
-                {**base, "warps": 2, "maxnreg": r} for r in (128, 96)] + [{**base, "stage_q": not STAGE_Q}]
+            sweeps = {"splits": [{**base, "splits": n} for n in splits],
+                      "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
+                      "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
+                      "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
+                      "stage_q": [{**base, "stage_q": not STAGE_Q}]}
+            settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
@@ -574,6 +579,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--batch", type=int, help="generate: force this batch instead of the largest that fits")
     parser.add_argument("--repeat", type=int, default=2, help="compare: how many comparisons to time")
+    parser.add_argument("--vary", nargs="*", choices=TUNE_SWEEPS, default=list(TUNE_SWEEPS),
+                        help="tune: which settings to sweep around the default (each compiled anew: a minute or two)")
     parser.add_argument("--flush-spread", type=int, default=1,
                         help="generate: quantize a batch's full buffers over this many steps (1: paper schedule)")
     parser.add_argument("--flush", choices=FLUSH_MODES, default="torch",
