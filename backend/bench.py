@@ -46,7 +46,7 @@ import triton
 import triton.testing
 
 # on a CPU: Triton interpreted
-from kernels.decode_attention import MAXNREG, STAGE_Q, decode_attention, default_splits
+from kernels.decode_attention import MAXNREG, decode_attention, default_splits
 
 from . import memory
 from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
@@ -212,13 +212,13 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "stage_q")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps")
 
 
 def bench_tune(args) -> dict:
     """The decode kernel's launch settings on one method, at each shape: programs over the paged blocks of each
-    (sequence, KV head), register caps, pipeline depths, warps per program and query placements, with the default
-    choice marked. What the defaults (default_splits, MAXNREG, STAGE_Q) were set from."""
+    (sequence, KV head), register caps, pipeline depths and warps per program, with the default choice marked.
+    What the defaults (default_splits, MAXNREG) were set from."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hq, h, d = (32, 8, 128) if not args.quick else (8, 2, 64)
@@ -235,22 +235,20 @@ def bench_tune(args) -> dict:
             kv = layer.paged()
             pages = max(1, kv.k_table.shape[1])
             chosen = default_splits(batch, h, pages, sm_count)
-            # the split count around the default (1 warp, 3 stages, register cap MAXNREG, query staged STAGE_Q), then
-            # at the default split other register caps (a cap buys resident programs with spills), pipeline depths,
-            # two warps per program (each a half of every page: no spills at 128 registers, a third more
-            # instructions in all) and the other query placement
+            # the split count around the default (1 warp, 3 stages, register cap MAXNREG), then at the default split
+            # other register caps (a cap buys resident programs with spills), pipeline depths and two warps per
+            # program (each a half of every page: no spills at 128 registers, a third more instructions in all)
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, stage_q=STAGE_Q)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG)
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
                       "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
-                      "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
-                      "stage_q": [{**base, "stage_q": not STAGE_Q}]}
+                      "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
-                                               maxnreg=setting["maxnreg"], stage_q=setting["stage_q"])
+                                               maxnreg=setting["maxnreg"])
                 seconds = median_seconds(run, args.quick)
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
@@ -534,12 +532,11 @@ def write_figures(result: dict, out: Path) -> list[Path]:
                           yaxis_title="seconds", barmode="group")
     elif result["kind"] == "tune":
         def setting_of(r):
-            return r["warps"], r["stages"], r["maxnreg"], r.get("stage_q")
+            return r["warps"], r["stages"], r["maxnreg"]
 
         for setting in dict.fromkeys(map(setting_of, rows)):
             sel = [r for r in rows if setting_of(r) == setting]
-            fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}, "
-                             f"query staged {setting[3]}",
+            fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}",
                         x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")

@@ -189,39 +189,11 @@ def _program_blocks(seqlen_ptr, nkp_ptr, nvp_ptr, b, part, NSPLIT, S: tl.constex
 
 
 @triton.jit
-def _query_quarters(q_cols, hmask, qk_scale, D: tl.constexpr, BLOCK_D4: tl.constexpr):
-    """The query rows (q_cols: (BLOCK_H,) pointers, hmask: the real ones) times qk_scale as 4 (channel, head) tiles
-    of D / 4 channels each, float32: loaded once per program, before its loop over pages (without STAGE_Q)."""
-    c = tl.arange(0, BLOCK_D4)
-    ptrs = q_cols[None, :] + c[:, None]
-    mask = (c < D // 4)[:, None] & hmask[None, :]
-    q0 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * qk_scale
-    q1 = tl.load(ptrs + D // 4, mask=mask, other=0.0).to(tl.float32) * qk_scale
-    q2 = tl.load(ptrs + D // 2, mask=mask, other=0.0).to(tl.float32) * qk_scale
-    q3 = tl.load(ptrs + 3 * (D // 4), mask=mask, other=0.0).to(tl.float32) * qk_scale
-    return q0, q1, q2, q3
-
-
-@triton.jit
-def _pick(x0, x1, x2, x3, i: tl.constexpr):
-    """x_i, chosen at compile time (i: a static_range index)."""
-    x = x0
-    if i == 1:
-        x = x1
-    if i == 2:
-        x = x2
-    if i == 3:
-        x = x3
-    return x
-
-
-@triton.jit
-def _key_page_scores(q0, q1, q2, q3, q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
-                     page, D: tl.constexpr, G4: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
-                     PREC: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr, STAGE_Q: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """Scores (log2 units) of the 4 token quarters of key page `page`, each (token, head), over its channels in 4
-    chunks of D / 4. q0..q3: _query_quarters (STAGE_Q: unused, the chunks are loaded here); q_cols: (BLOCK_H,)
+def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, page,
+                     D: tl.constexpr, G4: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                     ASM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G4: tl.constexpr,
+                     BLOCK_NB: tl.constexpr):
+    """Scores (log2 units) of the 4 token quarters of key page `page`, each (token, head). q_cols: (BLOCK_H,)
     pointers to the query rows, hmask: the real ones. OFFSET: the code operands are M + w_i * code
     (_quarters_offset); with bsum the column sums of the other operand, the products give M * bsum + w_i * scores,
     taken out exactly at the end."""
@@ -233,15 +205,11 @@ def _key_page_scores(q0, q1, q2, q3, q_cols, hmask, qk_scale, klow_ptr, khigh_pt
     s3 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
     zq = tl.zeros((BLOCK_H,), tl.float32)
     bsum = tl.zeros((BLOCK_H,), tl.float32)
-    for chunk in tl.static_range(4):
-        k = tl.arange(0, BLOCK_D4)
-        d = chunk * (D // 4) + k
-        dmask = k < D // 4
-        if STAGE_Q:       # loaded in the loop over pages: Triton stages the loads through shared memory
-            q = tl.load(q_cols[None, :] + d[:, None], mask=dmask[:, None] & hmask[None, :], other=0.0)
-            q = q.to(tl.float32) * qk_scale                                     # (channel, head)
-        else:             # held in registers (some spilled) for the whole loop
-            q = _pick(q0, q1, q2, q3, chunk)
+    for chunk in tl.static_range(0, D, KC):
+        d = chunk + tl.arange(0, KC)
+        dmask = d < D
+        q = tl.load(q_cols[None, :] + d[:, None], mask=dmask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
+        q = q * qk_scale                                                        # (channel, head)
         scale = tl.load(kscale_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
         zq += tl.sum(q * zero[:, None], axis=0)
@@ -406,7 +374,7 @@ def _decode_split_kernel(
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
-        BLOCK_NB: tl.constexpr, STAGE_Q: tl.constexpr):
+        BLOCK_NB: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
@@ -419,7 +387,6 @@ def _decode_split_kernel(
     hmask = heads < GROUP
     q_cols = q_ptr + (b * H * GROUP + h * GROUP + heads).to(tl.int64) * D
     kv_head = (b * H + h).to(tl.int64)
-    q0, q1, q2, q3 = _query_quarters(q_cols, hmask, qk_scale, D, BLOCK_D4)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -433,12 +400,9 @@ def _decode_split_kernel(
     for slot in range(start, end):                      # both pages quantized: no branch in the loop body
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-        q_rows = q_cols
-        if STAGE_Q:   # an address that depends on the page read (never negative), so the query's loads stay in the
-            q_rows = q_cols + tl.where(kpage < 0, D, 0)     # loop: Triton stages them like the page's tiles
-        s0, s1, s2, s3 = _key_page_scores(q0, q1, q2, q3, q_rows, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr,
-                                          kscale_ptr, kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, STAGE_Q,
-                                          BLOCK_M, BLOCK_G4, BLOCK_D4, BLOCK_NB)
+        s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+                                          kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M, BLOCK_G4,
+                                          BLOCK_NB)
         p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4,
                                                           BLOCK_G4 != G4)
         alpha_row = alpha[None, :]
@@ -454,9 +418,9 @@ def _decode_split_kernel(
         n_valid = tl.where(in_sink, sink_len - blk * G, tl.minimum(G, length - S - slot * G))
         if (blk >= n_sink_blocks) & (slot < nkp):
             kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
-            s0, s1, s2, s3 = _key_page_scores(q0, q1, q2, q3, q_cols, hmask, qk_scale, klow_ptr, khigh_ptr,
-                                              kch_ptr, kscale_ptr, kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM,
-                                              OFFSET, STAGE_Q, BLOCK_M, BLOCK_G4, BLOCK_D4, BLOCK_NB)
+            s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+                                              kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
+                                              BLOCK_G4, BLOCK_NB)
         else:
             row0 = tl.where(in_sink, blk * G, S + (slot - nkp) * G)
             s0, s1, s2, s3 = _fp_key_scores(q_cols, hmask, qk_scale, kfp_ptr + kv_head * CK * D, row0, n_valid,
@@ -543,10 +507,6 @@ REGISTERS_PER_SM = 65536      # 32-bit registers of an H100 / H200 multiprocesso
 # multiprocessor); at 128 the main loop spills about 50 of its ~2,500 instructions per page to L1, and the 16
 # resident programs more than pay for that: 801 against 1,108 us at batch 64 / 32K (BENCHMARKS.md section 1).
 MAXNREG = 128
-# Whether the decode kernel loads the query in its loop over pages (Triton stages it through shared memory with the
-# page's tiles, +2 KB per program) or holds it in registers across the loop (where ~50 values per page spill):
-# 116 against 124 us at batch 8 / 32K (BENCHMARKS.md section 1, `python -m backend.bench tune`).
-STAGE_Q = True
 MIN_PAGES_PER_SPLIT = 2       # a program's set-up and first page's latency outweigh a single page of work
 
 
@@ -591,13 +551,15 @@ class DecodeWorkspace:
         return self.buffers
 
 
-def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int,
-                           stage_q: bool = STAGE_Q) -> tuple[tuple, dict]:
+def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
     (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each.
     Also used to compile the kernel for a profile. BLOCK_M: the group's query heads padded to the matrix
-    instruction's 8 columns. OFFSET: bf16 code operands stay M + w * code (_quarters_offset); fp16 ones are
-    exact codes, because fp16's M = 1024 would leave too few bits after the offset is taken out."""
+    instruction's 8 columns. BLOCK_NB: the boosted channels padded to at least 32, so that kitty's 16 take
+    kitty-pro's layouts (with 16 columns its high-bits tile needed other layouts and shared-memory moves: 2,640
+    instructions per page and 12.5 KB of shared memory against 2,396 and 9.7 KB; BENCHMARKS.md section 1).
+    OFFSET: bf16 code operands stay M + w * code (_quarters_offset); fp16 ones are exact codes, because fp16's
+    M = 1024 would leave too few bits after the offset is taken out."""
     part_o, part_m, part_l = parts
     bsz, hq, d = q.shape
     h, g = kv.k_fp.shape[1], kv.page_size
@@ -611,18 +573,18 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
                      ASM=0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0),
                      OFFSET=q.dtype == torch.bfloat16, BLOCK_M=max(8, triton.next_power_of_2(hq // h)),
                      BLOCK_G4=max(16, triton.next_power_of_2(g // 4)), BLOCK_D4=max(16, triton.next_power_of_2(d // 4)),
-                     BLOCK_NB=max(32, triton.next_power_of_2(kv.n_boost)), STAGE_Q=stage_q)
+                     BLOCK_NB=max(32, triton.next_power_of_2(kv.n_boost)))
     return args, constants
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int = MAXNREG, stage_q: bool = STAGE_Q) -> torch.Tensor:
+                     maxnreg: int = MAXNREG) -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
-    (defaults tuned on the H200; maxnreg 255 leaves it to the compiler); stage_q: see STAGE_Q. With a
-    workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
+    (defaults tuned on the H200; maxnreg 255 leaves it to the compiler). With a workspace, its buffers are reused
+    (see DecodeWorkspace); without, they are allocated per call."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     if num_splits is None:
@@ -632,7 +594,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     num_parts = num_splits + remaining_blocks(kv)
     q = q.contiguous()
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
-    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, stage_q)
+    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options)
     _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, num_parts, D=d,

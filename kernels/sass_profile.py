@@ -50,21 +50,19 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None, stage_q: bool | None = None):
+                         maxnreg: int | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.decode_attention import (MAXNREG, STAGE_Q, _decode_split_kernel, remaining_blocks,
-                                          split_kernel_arguments)
+    from kernels.decode_attention import MAXNREG, _decode_split_kernel, remaining_blocks, split_kernel_arguments
     maxnreg = maxnreg or MAXNREG
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     n = splits + remaining_blocks(kv)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
-    args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits,
-                                             STAGE_Q if stage_q is None else stage_q)
+    args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
     names = _decode_split_kernel.arg_names
     signature, attrs = {}, {}
     for i, (name, value) in enumerate(zip(names, args)):
@@ -131,8 +129,6 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
-    parser.add_argument("--stage-q", type=int, choices=[0, 1],
-                        help="1: the query loaded in the loop over pages, 0: held in registers (default: STAGE_Q)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run with TRITON_INTERPRET=0: without a GPU, importing kernels/ turns Triton's interpreter on, "
@@ -141,8 +137,7 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         row = profile(compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
-                                               num_stages=args.stages, maxnreg=args.maxnreg,
-                                           stage_q=None if args.stage_q is None else bool(args.stage_q)))
+                                               num_stages=args.stages, maxnreg=args.maxnreg))
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return 0
 
