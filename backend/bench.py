@@ -46,7 +46,7 @@ import triton
 import triton.testing
 
 # on a CPU: Triton interpreted
-from kernels.decode_attention import MAXNREG, decode_attention, default_splits
+from kernels.decode_attention import MAXNREG, decode_attention, default_splits, resident_programs
 
 from . import memory
 from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
@@ -288,8 +288,9 @@ def build_model(quick: bool):
     return model
 
 
-def kv_bytes_per_sequence(method: str, model, tokens: int) -> float:
-    """The cache's bytes for one sequence of `tokens` tokens, from the layout (what sizes the batch)."""
+def kv_bytes_per_sequence(method: str, model, tokens: int, flush_spread: int = 1) -> float:
+    """The cache's bytes for one sequence of `tokens` tokens, from the layout (what sizes the batch). A Kitty cache
+    made to reserve room for them allocates its buffers at capacity and every page up front: those bytes."""
     cfg = model.config
     layers, h, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     elem = 2 if model.dtype != torch.float32 else 4
@@ -298,7 +299,25 @@ def kv_bytes_per_sequence(method: str, model, tokens: int) -> float:
     if method.startswith("hf-quanto"):
         bits = int(method[-1])
         return layers * 2 * h * (tokens * d * bits / 8 + tokens * 4 + 128 * d * elem)   # + fp16 residual
-    return memory.sequence_bytes(method_config(method), cfg, tokens)
+    return memory.sequence_bytes(method_config(method), cfg, tokens, reserved=True, flush_spread=flush_spread)
+
+
+def decode_workspace_bytes(method: str, model, flush_spread: int = 1,
+                           sm_count: int = 132) -> tuple[float, float]:
+    """(fixed bytes, bytes per sequence) of the Kitty decode kernel's per-layer workspace (DecodeWorkspace): float32
+    partials (output, max, sum) of each query head for the programs over the paged blocks (default_splits: at most
+    one wave of them in all once the batch is large, else one per sequence and KV head) and for the remaining
+    blocks (remaining_blocks: sink, buffers), plus the output. Nothing for transformers' caches."""
+    if method.startswith("hf-"):
+        return 0.0, 0.0
+    cfg, cache = model.config, method_config(method)
+    layers, h, hq, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    elem = 2 if model.dtype != torch.float32 else 4
+    g = cache.page_size
+    remaining = -(-cache.sink // g) + -(-(cache.local_window + g + flush_spread - 1) // g) + 1
+    part = hq * (d + 2) * 4
+    wave = resident_programs(MAXNREG) * sm_count
+    return layers * part * wave / h, layers * (part * (remaining + 1) + hq * d * elem)
 
 
 def prefill_bytes_per_sequence(method: str, model, prompt: int, chunk: int | None) -> float:
@@ -428,10 +447,12 @@ def bench_generate(args) -> dict:
         graphed = torch.cuda.is_available() and not args.eager and not method.startswith("hf-") \
             and method_config(method).k_bits < 16 and method_config(method).v_bits < 16
         if torch.cuda.is_available():
-            per_seq = (kv_bytes_per_sequence(method, model, prompt + new_tokens)
-                       + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk))
+            ws_fixed, ws_per_seq = decode_workspace_bytes(method, model, args.flush_spread,
+                                                          torch.cuda.get_device_properties(0).multi_processor_count)
+            per_seq = (kv_bytes_per_sequence(method, model, prompt + new_tokens, args.flush_spread)
+                       + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk) + ws_per_seq)
             # a Kitty chunk dequantizes its pages a bounded slice at a time, whatever the batch
-            fixed = DEQUANT_ELEMENTS * 2 if args.prefill_chunk and not method.startswith("hf-") else 0
+            fixed = ws_fixed + (DEQUANT_ELEMENTS * 2 if args.prefill_chunk and not method.startswith("hf-") else 0)
             batch = max(1, int((budget - fixed) / per_seq)) if not args.batch else args.batch
         else:
             batch = args.batch or 2

@@ -38,9 +38,32 @@ def layer_bytes(config: CacheConfig, heads: int, head_dim: int, tokens: int) -> 
     return keys, values
 
 
-def sequence_bytes(config: CacheConfig, model_config, tokens: int, sliding_elem_bytes: int = 2) -> int:
+def reserved_layer_bytes(config: CacheConfig, heads: int, head_dim: int, tokens: int, flush_spread: int = 1) -> int:
+    """Bytes one full-attention layer allocates for one sequence when the cache reserves room for `tokens` up front
+    (make_cache(..., reserve_tokens=tokens), as a long GPU run does): the full-precision buffers at their capacity
+    (sink, Q-buffer and value window whether filled or not, room for flush_spread - 1 waiting tokens), page storage
+    and page-table columns for every page the tokens fill, the table's page count. More than layer_bytes (what the
+    stored tokens occupy); what a batch must fit into memory."""
+    s, g, wait = config.sink, config.page_size, flush_spread - 1
+    row = heads * head_dim * FP_BYTES
+    pages = -(-max(0, tokens - s) // g)
+    nb = config.boosted_channels(head_dim)
+    total = 0
+    for bits, window, page_bytes in ((config.k_bits, 0, key_page_bytes(heads, head_dim, g, nb)),
+                                     (config.v_bits, config.local_window,
+                                      value_page_bytes(heads, head_dim, g, config.v_bits))):
+        if bits == 16:                              # a 16-bit side keeps every token in its buffer
+            total += tokens * row + 4
+        else:
+            total += (s + window + g + wait) * row + pages * (page_bytes + TABLE_ENTRY_BYTES) + 4
+    return total
+
+
+def sequence_bytes(config: CacheConfig, model_config, tokens: int, sliding_elem_bytes: int = 2,
+                   reserved: bool = False, flush_spread: int = 1) -> int:
     """Bytes the whole cache uses for one sequence of `tokens` tokens: every full-attention layer in the method's
-    layout, sliding-window layers (hybrid models) at full precision over their window."""
+    layout, sliding-window layers (hybrid models) at full precision over their window. reserved: what the cache
+    allocates when it reserves room for the tokens up front (reserved_layer_bytes) instead."""
     from .cache import attention_layer_types       # the cache module imports this one
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     heads = text.num_key_value_heads
@@ -48,7 +71,8 @@ def sequence_bytes(config: CacheConfig, model_config, tokens: int, sliding_elem_
     total = 0
     for kind in attention_layer_types(model_config):
         if kind == "full_attention":
-            total += sum(layer_bytes(config, heads, head_dim, tokens))
+            total += reserved_layer_bytes(config, heads, head_dim, tokens, flush_spread) if reserved \
+                else sum(layer_bytes(config, heads, head_dim, tokens))
         else:
             total += 2 * min(tokens, text.sliding_window) * heads * head_dim * sliding_elem_bytes
     return total

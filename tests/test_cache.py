@@ -329,6 +329,25 @@ def test_used_bytes_equal_the_projection_at_every_length(method):
     feed(model, ids, cache, prefix=20, mask=mask, on_step=check)
 
 
+@pytest.mark.parametrize("method,flush_spread", [("kivi-k2v2", 1), ("kitty-pro", 1), ("kivi-k4v2*", 2),
+                                                 ("custom", 3)])
+def test_reserved_bytes_equal_the_arithmetic_the_benchmark_plans_with(method, flush_spread):
+    """A cache that reserves room for 300 tokens per sequence (as `bench generate` makes them) allocates, at every
+    step before and while it fills, exactly backend.memory's reserved bytes for 300 tokens per sequence: what the
+    benchmark's batch planning assumes (the used bytes are less: unfilled buffers and pages)."""
+    cfg = method_config(method, **({"k_bits": 2, "v_bits": 4, "sink": 5, "page_size": 16, "local_window": 8,
+                                    "alpha": 0.25} if method == "custom" else {}))
+    model = tiny_model(heads=4, kv_heads=2, layers=2)
+    ids = torch.randint(3, 256, (2, 170), generator=torch.Generator().manual_seed(13))
+    cache = make_cache(model, cfg, reserve_tokens=300, flush_spread=flush_spread)
+    expected = 2 * memory.sequence_bytes(cfg, model.config, 300, reserved=True, flush_spread=flush_spread)
+
+    def check(cache):
+        stats = cache.stats()
+        assert stats.bytes_reserved == expected > stats.bytes_used, (stats.bytes_reserved, expected)
+    feed(model, ids, cache, prefix=20, on_step=check)
+
+
 def test_sliding_window_layers_stay_full_precision_and_all_sliding_is_refused():
     hybrid = tiny_model("qwen2", heads=4, kv_heads=2, layers=2, use_sliding_window=True, sliding_window=64,
                         max_window_layers=1)
