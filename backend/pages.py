@@ -117,10 +117,17 @@ class DeviceIndices:
         self.turn = 0
 
     def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        flat = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays])
+        # each array starts at an even element (16 bytes): Triton specializes a kernel on whether its pointers are
+        # 16-byte aligned, so with odd lengths the fused flush compiled anew when the batch changed parity (a 2.3 s
+        # decode step on the H200, BENCHMARKS.md section 2)
         sizes = [len(a) for a in arrays]
+        starts = np.concatenate([[0], np.cumsum([n + n % 2 for n in sizes])])
+        flat = np.zeros(int(starts[-1]), dtype=np.int64)
+        for start, a in zip(starts, arrays):
+            flat[start:start + len(a)] = a
         if self.device.type != "cuda":
-            return list(torch.from_numpy(flat).to(self.device).split(sizes))
+            out = torch.from_numpy(flat).to(self.device)
+            return [out[start:start + n] for start, n in zip(starts, sizes)]
         slot, self.turn = self.turn, (self.turn + 1) % self.RING
         buf = self.buffers[slot]
         if buf is None or buf.numel() < len(flat):
@@ -131,7 +138,7 @@ class DeviceIndices:
         out = buf[:len(flat)].to(self.device, non_blocking=True)
         self.copied[slot] = torch.cuda.Event()
         self.copied[slot].record()
-        return list(out.split(sizes))
+        return [out[start:start + n] for start, n in zip(starts, sizes)]
 
 
 def occurrence_rank(values: np.ndarray) -> np.ndarray:

@@ -251,13 +251,15 @@ def test_decode_on_the_triton_path_never_rebuilds_pages(monkeypatch):
     not torch.cuda.is_available(), reason="the pinned-memory path needs a GPU"))])
 def test_device_indices_carry_every_array_in_one_copy(device):
     """Page bookkeeping goes to the GPU through one (asynchronous, pinned) copy per call: values and split exact,
-    empty arrays included, and a buffer of the ring is reused safely after it comes round again."""
+    empty arrays included, every array 16-byte aligned whatever the lengths before it (the kernels given them
+    compile once, not once per alignment), and a buffer of the ring is reused safely after it comes round again."""
     to_device = DeviceIndices(device)
     for turn in range(2 * DeviceIndices.RING + 1):
         arrays = [np.arange(turn, turn + 5), np.zeros(0, dtype=np.int64), [7 + turn, 3], np.full(300 * (turn % 2), turn)]
         got = to_device(*arrays)
         assert [t.device.type for t in got] == [device] * 4
         assert [t.tolist() for t in got] == [np.asarray(a, dtype=np.int64).tolist() for a in arrays]
+        assert all(t.data_ptr() % 16 == 0 for t in got), [t.data_ptr() % 16 for t in got]
 
 
 def test_memory_matches_the_layout_at_4096_tokens():
