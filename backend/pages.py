@@ -20,12 +20,18 @@ class PagePool:
         self.tensors = {name: torch.empty((0, *shape), dtype=dtype, device=device)
                         for name, (shape, dtype) in page_shapes.items()}
         self.diagnostics = diagnostics
-        self.free: list[int] = []
+        # pages are taken in order and only given back all at once (release_all), so the free ones are always the
+        # ids [first_free, capacity): no list to slice at every page boundary of every layer
+        self.first_free = 0
         self.in_use = 0
 
     @property
     def capacity(self) -> int:
         return next(iter(self.tensors.values())).shape[0]
+
+    @property
+    def free(self) -> range:
+        return range(self.first_free, self.capacity)
 
     @property
     def nbytes(self) -> int:
@@ -35,14 +41,13 @@ class PagePool:
         """Grow the storage so that `pages` more pages can be allocated without reallocation."""
         grow = pages - len(self.free)
         if grow > 0:
-            start = self.capacity
             self.tensors = {name: torch.cat([t, t.new_empty((grow, *t.shape[1:]))])
                             for name, t in self.tensors.items()}
-            self.free.extend(range(start, start + grow))
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int) -> np.ndarray:
         self.reserve(n)
-        ids, self.free = self.free[:n], self.free[n:]
+        ids = np.arange(self.first_free, self.first_free + n)
+        self.first_free += n
         self.in_use += n
         return ids
 
@@ -52,7 +57,7 @@ class PagePool:
             self.tensors[name][index] = value
 
     def release_all(self) -> None:
-        self.free = list(range(self.capacity))
+        self.first_free = 0
         self.in_use = 0
 
 
@@ -143,10 +148,13 @@ class DeviceIndices:
 
 def occurrence_rank(values: np.ndarray) -> np.ndarray:
     """For each element, how many equal elements come before it: [3, 1, 3, 3] -> [0, 0, 1, 2]."""
+    values = np.asarray(values)
+    if (values[1:] > values[:-1]).all():                   # distinct and ascending: a decode step's due rows
+        return np.zeros(len(values), dtype=np.int64)
     order = np.argsort(values, kind="stable")
     ordered = values[order]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-    rank = np.arange(len(values)) - np.repeat(starts, np.diff(np.r_[starts, len(values)]))
+    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    rank = np.arange(len(values)) - np.repeat(starts, np.diff(np.append(starts, len(values))))
     out = np.empty_like(rank)
     out[order] = rank
     return out

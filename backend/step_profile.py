@@ -12,6 +12,12 @@ prompts, then decodes `steps` tokens one model call at a time:
     how many it launched;
 each reported apart for ordinary steps and page-boundary steps (a key buffer becomes a page), with the host
 operations that took the most time (self CPU time) in a profiled page-boundary step.
+
+    python -m backend.step_profile --bookkeeping [--batch 192] [--prompt 512] [--steps 1024] [--methods kitty-pro]
+
+measures on any machine what a replayed (CUDA-graph) decode step leaves to the host, the cache's own bookkeeping:
+36 layers of a Kitty cache with the fused page-making path, whose two kernels per layer are replaced by nothing,
+median host milliseconds of ordinary and page-boundary steps.
 """
 from __future__ import annotations
 
@@ -122,6 +128,35 @@ def _kernel_profile(step, prompt, steps, method, profiled) -> dict:
     return result
 
 
+def bookkeeping(method: str, batch: int, prompt: int, steps: int, layers: int = 36) -> dict:
+    """Host time of the cache's own work in replayed decode steps (KittyLayer.replayed_decode_step, flush="fused")
+    with the page-making kernels left out: what a page-boundary step adds on the host whatever the GPU."""
+    from unittest import mock
+
+    from .cache import KittyLayer
+    from .methods import method_config
+    cfg = method_config(method)
+    cache = []
+    for i in range(layers):
+        layer = KittyLayer(cfg, i, use_triton=False, record_magnitudes=False, reserve_tokens=prompt + steps,
+                           flush="fused")
+        k = torch.zeros(batch, 1, prompt, 64, dtype=torch.bfloat16)     # the sizes do not matter to the host
+        layer.lazy_initialization(k, k)
+        layer._append(k, k, np.full(batch, prompt))
+        cache.append(layer)
+    times = {True: [], False: []}
+    with mock.patch("kernels.flush.flush_key_pages"), mock.patch("kernels.flush.flush_value_pages"):
+        for _ in range(steps):
+            ordinary = [layer.next_decode_is_ordinary() for layer in cache]
+            start = time.perf_counter()
+            for layer, plain in zip(cache, ordinary):
+                layer.replayed_decode_step(plain)
+            times[ordinary[0]].append((time.perf_counter() - start) * 1e3)
+    return dict(method=method, batch=batch, prompt=prompt, layers=layers, steps=steps,
+                ordinary_ms=float(np.median(times[True])), boundary_ms=float(np.median(times[False])),
+                boundary_steps=len(times[False]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.step_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", type=int, default=4096)
@@ -131,11 +166,17 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model (a CPU run of the tool itself)")
     parser.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs where the "
                         "cache allows (Kitty caches on a GPU): each method is profiled both ways")
+    parser.add_argument("--bookkeeping", action="store_true",
+                        help="only the host side of replayed steps, page-making kernels left out (any machine)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    model = build_model(args.quick)
     rows = []
+    model = None if args.bookkeeping else build_model(args.quick)
     for method in args.methods:
+        if args.bookkeeping:
+            rows.append(bookkeeping(method, args.batch, args.prompt, args.steps))
+            print(json.dumps(rows[-1]), flush=True)
+            continue
         for graphed in (False, True) if args.cuda_graphs and not method.startswith("hf-") else (False,):
             row = profile_method(model, method, args.batch, args.prompt, args.steps, cuda_graphs=graphed)
             rows.append(row)

@@ -117,6 +117,20 @@ def test_step_profile_quick_splits_ordinary_and_page_boundary_steps(tmp_path):
     assert graphed["cuda_graphs"] == {"captures": 0, "replays": 0, "disabled": None}
 
 
+def test_step_profile_bookkeeping_times_the_hosts_share_of_replayed_steps(tmp_path):
+    """`python -m backend.step_profile --bookkeeping`: the cache's host work in replayed decode steps, page-making
+    kernels left out, split into ordinary and page-boundary steps (a 150-token prompt: boundaries every 128 steps
+    from step 9 on), written to --out."""
+    out = tmp_path / "bookkeeping.json"
+    done = subprocess.run([sys.executable, "-m", "backend.step_profile", "--bookkeeping", "--prompt", "150",
+                           "--batch", "3", "--steps", "300", "--methods", "kitty-pro", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row, = json.loads(out.read_text())["rows"]
+    assert row["boundary_steps"] == 3 and row["layers"] == 36
+    assert row["boundary_ms"] > row["ordinary_ms"] > 0
+
+
 def test_results_name_the_measured_sources_by_git_blob_id(tmp_path):
     """Every result's env carries the git blob ids of the files that decide its figures (the device machine has
     no git history of the session): each equals `git hash-object` of the file, and changes with its contents."""

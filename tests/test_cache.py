@@ -18,7 +18,7 @@ import backend.cache
 import kernels.decode_attention
 from backend import make_cache, memory, method_config
 from backend.cache import KittyLayer
-from backend.pages import DeviceIndices
+from backend.pages import DeviceIndices, PagePool, occurrence_rank
 from kernels.dequantize import dequantize_keys_ref
 from kernels.layout import boost_mask
 from kernels.quantize import choose_boost, quantize_keys_ref, quantize_values_ref
@@ -245,6 +245,22 @@ def test_decode_on_the_triton_path_never_rebuilds_pages(monkeypatch):
     layer, ref_layer = cache.layers[0], ref_cache.layers[0]
     for name in ("low", "high", "scale", "zero"):
         assert torch.equal(layer.key_pool.tensors[name], ref_layer.key_pool.tensors[name])
+
+
+def test_page_pool_hands_out_ids_in_order_and_ranks_repeated_rows():
+    """Pages are taken in order, storage grows on demand, release_all gives every page back; occurrence_rank numbers
+    a sequence's repeats (several pages of one sequence in one call), also on the fast path of distinct rows."""
+    pool = PagePool({"x": ((2,), torch.uint8)}, "cpu")
+    pool.reserve(3)
+    assert pool.capacity == 3 and list(pool.free) == [0, 1, 2]
+    assert pool.allocate(2).tolist() == [0, 1] and list(pool.free) == [2]
+    assert pool.allocate(2).tolist() == [2, 3] and pool.capacity == 4 and pool.in_use == 4 and not len(pool.free)
+    pool.release_all()
+    assert list(pool.free) == [0, 1, 2, 3] and pool.in_use == 0 and pool.allocate(1).tolist() == [0]
+    assert occurrence_rank(np.array([3, 1, 3, 3])).tolist() == [0, 0, 1, 2]
+    assert occurrence_rank(np.array([2, 2, 5])).tolist() == [0, 1, 0]
+    assert occurrence_rank(np.array([0, 4, 7])).tolist() == [0, 0, 0]
+    assert occurrence_rank(np.array([], dtype=np.int64)).tolist() == []
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
