@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # The system browsers backend/bench.py hands kaleido; with one installed, a PNG must come out.
@@ -94,6 +95,30 @@ def test_bench_generate_with_chunked_prefill(tmp_path):
     for row in rows.values():
         assert "error" not in row and row["prefill_chunk"] == 16 and row["prompt"] == 200
         assert row["tokens_per_s"] > 0 and row["ttft_ms"] > 0
+
+
+@pytest.mark.parametrize("method,flush_spread", [("kitty-pro", 1), ("kivi-k2v2", 2)])
+def test_generate_plans_with_what_the_cache_and_the_decode_workspace_allocate(method, flush_spread):
+    """The batch plan's bytes per sequence are those a reserved Kitty cache allocates after a generation (its
+    bytes_reserved: buffers at capacity, every page up front), and its decode-workspace term covers what the
+    decode kernel's workspace takes, per layer. (The 512 + 8,192 plan counted only the stored tokens and ran out
+    of memory on the H200: BENCHMARKS.md section 2.)"""
+    from backend.bench import build_model, decode_workspace_bytes, kv_bytes_per_sequence, make_peer_cache
+    from kernels.decode_attention import DecodeWorkspace, decode_attention
+    model = build_model(quick=True)
+    batch, prompt, new = 3, 150, 12
+    cache = make_peer_cache(method, model, batch, prompt + new, flush_spread)
+    ids = torch.randint(3, 500, (batch, prompt), generator=torch.Generator().manual_seed(2))
+    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+                   min_new_tokens=new, do_sample=False, disable_compile=True)
+    assert cache.stats().bytes_reserved == batch * kv_bytes_per_sequence(method, model, prompt + new, flush_spread)
+    cfg = model.config
+    workspace = DecodeWorkspace()
+    q = torch.randn(batch, cfg.num_attention_heads, cfg.head_dim)
+    decode_attention(q, cache.layers[0].paged(), cfg.head_dim ** -0.5, workspace=workspace)
+    used = cfg.num_hidden_layers * sum(t.numel() * t.element_size() for t in workspace.buffers)
+    fixed, per_sequence = decode_workspace_bytes(method, model, flush_spread, sm_count=4)   # a CPU counts as 4
+    assert 0 < used <= fixed + batch * per_sequence
 
 
 def test_step_profile_quick_splits_ordinary_and_page_boundary_steps(tmp_path):
