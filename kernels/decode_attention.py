@@ -341,23 +341,29 @@ def _fp_value_quarter(p, acc0, acc1, acc2, acc3, vfp_ptr, row0, n_valid, quarter
 
 
 @triton.jit
+def _pick(x0, x1, x2, x3, i: tl.constexpr):
+    """x_i, chosen at compile time (i: a static_range index): Triton cannot index a tuple of tensors by a loop
+    variable."""
+    x = x0
+    if i == 1:
+        x = x1
+    if i == 2:
+        x = x2
+    if i == 3:
+        x = x3
+    return x
+
+
+@triton.jit
 def _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
                 vpage, G: tl.constexpr, D4: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr,
                 PREC: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr, BLOCK_G4: tl.constexpr,
                 BLOCK_D4: tl.constexpr):
     """All 4 token quarters of value page `vpage`."""
-    acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p0, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
-                                                        vscale_ptr, vzero_ptr, vpage, 0, G, D4, V_BITS, DOT, PREC,
-                                                        ASM, OFFSET, BLOCK_G4, BLOCK_D4)
-    acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p1, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
-                                                        vscale_ptr, vzero_ptr, vpage, 1, G, D4, V_BITS, DOT, PREC,
-                                                        ASM, OFFSET, BLOCK_G4, BLOCK_D4)
-    acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p2, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
-                                                        vscale_ptr, vzero_ptr, vpage, 2, G, D4, V_BITS, DOT, PREC,
-                                                        ASM, OFFSET, BLOCK_G4, BLOCK_D4)
-    acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(p3, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr,
-                                                        vscale_ptr, vzero_ptr, vpage, 3, G, D4, V_BITS, DOT, PREC,
-                                                        ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+    for quarter in tl.static_range(4):
+        acc0, acc1, acc2, acc3, zacc, pacc = _value_quarter(
+            _pick(p0, p1, p2, p3, quarter), acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr, vscale_ptr,
+            vzero_ptr, vpage, quarter, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
     return acc0, acc1, acc2, acc3, zacc, pacc
 
 
@@ -436,14 +442,10 @@ def _decode_split_kernel(
         else:
             row0 = tl.where(in_sink, blk * G, S + (slot - nvp) * G)
             vfp = vfp_ptr + kv_head * CV * D
-            acc0, acc1, acc2, acc3 = _fp_value_quarter(p0, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 0, D, G4,
-                                                       DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3 = _fp_value_quarter(p1, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 1, D, G4,
-                                                       DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3 = _fp_value_quarter(p2, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 2, D, G4,
-                                                       DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
-            acc0, acc1, acc2, acc3 = _fp_value_quarter(p3, acc0, acc1, acc2, acc3, vfp, row0, n_valid, 3, D, G4,
-                                                       DOT, PREC, OFFSET, BLOCK_G4, BLOCK_D4)
+            for quarter in tl.static_range(4):
+                acc0, acc1, acc2, acc3 = _fp_value_quarter(_pick(p0, p1, p2, p3, quarter), acc0, acc1, acc2, acc3,
+                                                           vfp, row0, n_valid, quarter, D, G4, DOT, PREC, OFFSET,
+                                                           BLOCK_G4, BLOCK_D4)
 
     idx = (b * H * GROUP + h * GROUP + heads).to(tl.int64) * NPART + part
     tl.store(pm_ptr + idx, m_i, mask=hmask)
