@@ -468,26 +468,38 @@ def _decode_split_kernel(
 
 
 @triton.jit(do_not_specialize=["NPART"])
-def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)                 # one (sequence, query head)
-    d = tl.arange(0, BLOCK_D)
-    m_max = float("-inf")
-    for first in range(0, NPART, BLOCK_S):
-        sp = first + tl.arange(0, BLOCK_S)
-        m_max = tl.maximum(m_max, tl.max(tl.load(pm_ptr + row * NPART + sp, mask=sp < NPART, other=float("-inf")), 0))
-    num = tl.zeros((BLOCK_D,), tl.float32)
+def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_DC: tl.constexpr):
+    """One (sequence, query head) row and BLOCK_DC of its channels: the partials of all NPART parts merged with
+    log-sum-exp weights in one pass (a running maximum rescales what is summed so far), BLOCK_S parts per step."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    dmask = d < D
+    m_run = float("-inf")
     den = 0.0
+    num = tl.zeros((BLOCK_DC,), tl.float32)
     for first in range(0, NPART, BLOCK_S):
         sp = first + tl.arange(0, BLOCK_S)
         smask = sp < NPART
         m = tl.load(pm_ptr + row * NPART + sp, mask=smask, other=float("-inf"))
-        w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)      # empty parts (m = -inf) weigh 0
-        den += tl.sum(tl.load(pl_ptr + row * NPART + sp, mask=smask, other=0.0) * w, 0)
-        o = tl.load(po_ptr + (row * NPART + sp[:, None]) * D + d[None, :], mask=smask[:, None] & (d < D)[None, :],
+        lsum = tl.load(pl_ptr + row * NPART + sp, mask=smask, other=0.0)
+        o = tl.load(po_ptr + (row * NPART + sp[:, None]) * D + d[None, :], mask=smask[:, None] & dmask[None, :],
                     other=0.0)
-        num += tl.sum(o * w[:, None], 0)
-    tl.store(out_ptr + row * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < D)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.where(m_run > float("-inf"), tl.math.exp2(m_run - m_new), 0.0)
+        w = tl.where(m > float("-inf"), tl.math.exp2(m - m_new), 0.0)      # empty parts (m = -inf) weigh 0
+        den = den * alpha + tl.sum(lsum * w, 0)
+        num = num * alpha + tl.sum(o * w[:, None], 0)
+        m_run = m_new
+    tl.store(out_ptr + row * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+# The merge reads every part of every row once. Sequences x query heads x channel blocks of programs, so that a
+# batch of one (32 rows for Qwen3-8B) still spreads over the GPU, and BLOCK_S parts per load, so that 128 or more
+# parts take a few dependent loads instead of one per 16 parts.
+MERGE_BLOCK_S = 64
+MERGE_BLOCK_DC = 32
+MERGE_WARPS = 2
 
 
 def interpreted() -> bool:
@@ -599,6 +611,15 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options)
-    _merge_splits_kernel[(bsz * hq,)](part_o, part_m, part_l, out, num_parts, D=d,
-                                      BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16, num_warps=1)
+    return merge_splits(part_o, part_m, part_l, out)
+
+
+def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (B, HQ, D) = sum_p 2^(m_p - M) o_p / sum_p 2^(m_p - M) l_p over the parts p of each row (M: the rows'
+    largest m; parts with m = -inf weigh nothing): the split programs' partials (B, HQ, P, D), (B, HQ, P) x 2."""
+    bsz, hq, num_parts, d = part_o.shape
+    block_dc = min(MERGE_BLOCK_DC, triton.next_power_of_2(d))
+    _merge_splits_kernel[(bsz * hq, triton.cdiv(d, block_dc))](part_o, part_m, part_l, out, num_parts, D=d,
+                                                               BLOCK_S=MERGE_BLOCK_S, BLOCK_DC=block_dc,
+                                                               num_warps=MERGE_WARPS)
     return out
