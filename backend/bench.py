@@ -46,7 +46,8 @@ import triton
 import triton.testing
 
 # on a CPU: Triton interpreted
-from kernels.decode_attention import MAXNREG, decode_attention, default_splits, resident_programs
+from kernels.decode_attention import (MAXNREG, DecodeWorkspace, decode_attention, default_splits, merge_splits,
+                                      resident_programs)
 
 from . import memory
 from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
@@ -192,7 +193,11 @@ def bench_attention(args) -> dict:
                 out = decode_attention(q, kv, sm_scale)
                 err = (out.float() - reference).abs().max().item()     # vs exact FP16 attention: quantization error
                 seconds = median_seconds(lambda: decode_attention(q, kv, sm_scale), args.quick)
-                rows.append(dict(batch=batch, tokens=length, method=method, us=seconds * 1e6,
+                # the merge of the split programs' partials alone, on the buffers of the call just made
+                workspace = DecodeWorkspace()
+                decode_attention(q, kv, sm_scale, workspace=workspace)
+                merge_s = median_seconds(lambda: merge_splits(*workspace.buffers), args.quick)
+                rows.append(dict(batch=batch, tokens=length, method=method, us=seconds * 1e6, merge_us=merge_s * 1e6,
                                  gbs=bytes_read(layer) / seconds / 1e9, vs_sdpa=sdpa_s / seconds, max_err=err))
                 del layer, kv
             if device == "cuda":
@@ -263,10 +268,11 @@ def bench_tune(args) -> dict:
 
 def print_rows(rows, header=True):
     if header:
-        print(f"{'B':>3} {'L':>6} {'method':>15} {'us':>10} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
+        print(f"{'B':>3} {'L':>6} {'method':>15} {'us':>10} {'merge us':>9} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
     for r in rows:
         err = "" if r.get("max_err") is None else f"{r['max_err']:.3g}"
-        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>15} {r['us']:>10.1f} {r['gbs']:>8.0f} "
+        merge = "" if r.get("merge_us") is None else f"{r['merge_us']:.1f}"
+        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>15} {r['us']:>10.1f} {merge:>9} {r['gbs']:>8.0f} "
               f"{r['vs_sdpa']:>7.2f}x {err:>9}", flush=True)
 
 
