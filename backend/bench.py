@@ -467,10 +467,12 @@ def bench_generate(args) -> dict:
         for attempt in range(4):                      # the layout's estimate, confirmed by really running it
             try:
                 if attempt == 0:                      # warm-up: kernel compilation stays out of the timings
-                    # (on a GPU past a page boundary, where a Kitty cache's page-making kernels compile)
+                    # (on a GPU past a page boundary, where a Kitty cache's page-making kernels compile; with the
+                    # run's flush_spread, which the fused kernels take as a compile-time constant: a warm-up without
+                    # it left a 2.7 s compile in a timed page-boundary step, BENCHMARKS.md section 2)
                     warm_tokens = method_config(method).page_size + 1 if torch.cuda.is_available() \
                         and not method.startswith("hf-") else 4
-                    run_generate(model, method, 1, prompt, warm_tokens, prefill_chunk=args.prefill_chunk,
+                    run_generate(model, method, 1, prompt, warm_tokens, args.flush_spread, args.prefill_chunk,
                                  cuda_graphs=graphed, flush=args.flush)
                 row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread, args.prefill_chunk,
                                    graphed, args.flush)

@@ -97,6 +97,25 @@ def test_bench_generate_with_chunked_prefill(tmp_path):
         assert row["tokens_per_s"] > 0 and row["ttft_ms"] > 0
 
 
+def test_generate_warms_up_with_the_runs_page_settings(tmp_path, monkeypatch):
+    """The untimed warm-up generation makes pages the way the timed one will (flush mode, flush_spread, prefill
+    chunk): the fused page kernels take flush_spread as a compile-time constant, so a warm-up without it left their
+    compilation inside the timed run."""
+    from backend import bench
+    calls, real = [], bench.run_generate
+
+    def recorded(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
+                 flush="torch"):
+        calls.append((batch, flush_spread, prefill_chunk, flush))
+        return real(model, method, batch, prompt, new_tokens, flush_spread, prefill_chunk, cuda_graphs, flush)
+
+    monkeypatch.setattr(bench, "run_generate", recorded)
+    assert bench.main(["generate", "--quick", "--methods", "kitty-pro", "--batch", "3", "--flush-spread", "3",
+                       "--flush", "fused", "--prefill-chunk", "16", "--prompt", "40", "--new-tokens", "4",
+                       "--out", str(tmp_path / "generate.json")]) == 0
+    assert calls == [(1, 3, 16, "fused"), (3, 3, 16, "fused")]
+
+
 @pytest.mark.parametrize("method,flush_spread", [("kitty-pro", 1), ("kivi-k2v2", 2)])
 def test_generate_plans_with_what_the_cache_and_the_decode_workspace_allocate(method, flush_spread):
     """The batch plan's bytes per sequence are those a reserved Kitty cache allocates after a generation (its
