@@ -18,7 +18,7 @@ from .model import DEFAULT_MODEL, load_model
 
 def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool | None = None,
                record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
-               flush: str = "torch", **settings) -> KittyCache:
+               flush: str = "auto", **settings) -> KittyCache:
     """A fresh cache for one generation. `method` is a preset name (METHODS), "custom", or a CacheConfig;
     keyword settings (k_bits, v_bits, sink, page_size, local_window, alpha, selection, seed) override it.
 
@@ -29,11 +29,11 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     flush_spread: k > 1 spreads the quantization of buffers that fill at the same decode step (a batch of equal
     lengths) over k steps, ceil(B / k) sequences each, so no step stalls on the whole batch's pages; the pages
     are the same, a few tokens just stay full precision a few steps longer. 1 (default) is the paper's schedule.
-    flush: how a decode step's full buffers become pages. "torch" (default): a batched quantize launch per kind
-    between torch ops that choose channels, write the pool and table and shift the buffers (~33 launches a layer).
-    "fused": one Triton kernel per kind does all of that (kernels/flush.py), the same pages (magnitudes up to
-    float32 summation order); Triton also on a CPU (interpreted), whatever use_triton says. Random and query-aware
-    channel selection keep the torch path.
+    flush: how a decode step's full buffers become pages. "torch": a batched quantize launch per kind between torch
+    ops that choose channels, write the pool and table and shift the buffers (~33 launches a layer). "fused": one
+    Triton kernel per kind does all of that (kernels/flush.py), the same pages (magnitudes up to float32 summation
+    order); Triton also on a CPU (interpreted), whatever use_triton says. "auto" (default): fused for a cache on a
+    GPU, torch otherwise. Random and query-aware channel selection always take the torch path.
     Switches `model` to the "kitty" attention function, which is plain SDPA for any other cache."""
     config = method if isinstance(method, CacheConfig) else method_config(method, **settings)
     use_kitty_attention(model)

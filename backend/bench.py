@@ -349,7 +349,7 @@ def prefill_bytes_per_sequence(method: str, model, prompt: int, chunk: int | Non
     return need
 
 
-def make_peer_cache(method, model, batch, max_len, flush_spread=1, flush="torch"):
+def make_peer_cache(method, model, batch, max_len, flush_spread=1, flush="auto"):
     from transformers.cache_utils import DynamicCache, QuantizedCache, StaticCache
 
     from backend import make_cache
@@ -392,7 +392,7 @@ def page_boundary_steps(method: str, prompt: int, steps: int, flush_spread: int 
 
 
 def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
-                 flush="torch"):
+                 flush="auto"):
     """One timed model.generate; cuda_graphs: replay decode steps as CUDA graphs (backend.graphs) where the cache
     allows it (Kitty caches with both sides quantized, on a GPU); flush: how Kitty caches make pages (make_cache)."""
     from transformers import StoppingCriteriaList
@@ -614,9 +614,9 @@ def main(argv=None) -> int:
                         help="tune: which settings to sweep around the default (each compiled anew: a minute or two)")
     parser.add_argument("--flush-spread", type=int, default=1,
                         help="generate: quantize a batch's full buffers over this many steps (1: paper schedule)")
-    parser.add_argument("--flush", choices=FLUSH_MODES, default="torch",
+    parser.add_argument("--flush", choices=FLUSH_MODES, default="auto",
                         help="generate: how Kitty caches turn full buffers into pages at a page boundary ('fused': "
-                             "one Triton kernel per kind, kernels/flush.py)")
+                             "one Triton kernel per kind, kernels/flush.py; 'auto': fused on a GPU)")
     parser.add_argument("--eager", action="store_true",
                         help="generate: no CUDA graphs for Kitty caches (by default their decode steps are replayed)")
     parser.add_argument("--prefill-chunk", type=int,

@@ -33,7 +33,7 @@ from .methods import CacheConfig
 from .pages import DeviceIndices, PagePool, PageTable
 
 # How a decode step's full buffers become pages (KittyLayer's `flush`)
-FLUSH_MODES = ("torch", "fused")
+FLUSH_MODES = ("auto", "torch", "fused")
 
 # A further chunk dequantizes its cache's pages this many elements at a time (256 MB in bf16): the transient on
 # top of the dense keys / values it builds stays bounded whatever the batch and length
@@ -49,20 +49,21 @@ class KittyLayer(CacheLayerMixin):
 
     def __init__(self, config: CacheConfig, layer_idx: int = 0, use_triton: bool | None = None,
                  record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
-                 flush: str = "torch"):
+                 flush: str = "auto"):
         super().__init__()
         if isinstance(flush_spread, bool) or not isinstance(flush_spread, int) or flush_spread < 1:
             raise ValueError(f"flush_spread={flush_spread!r} must be a positive integer (1: the paper's schedule)")
         if flush not in FLUSH_MODES:
-            raise ValueError(f"flush={flush!r} must be one of {FLUSH_MODES}: 'torch' (default) quantizes a decode "
-                             "step's full buffers with separate torch ops, 'fused' with one Triton kernel per kind")
+            raise ValueError(f"flush={flush!r} must be one of {FLUSH_MODES}: 'torch' quantizes a decode step's full "
+                             "buffers with separate torch ops, 'fused' with one Triton kernel per kind, 'auto' "
+                             "(default) fused on a GPU")
         self.config = config
         self.layer_idx = layer_idx
         self.use_triton = use_triton            # None: Triton for CUDA tensors, the PyTorch reference otherwise
         self.record_magnitudes = record_magnitudes
         self.reserve_tokens = reserve_tokens    # page storage to set aside per sequence (no reallocation later)
         self.flush_spread = flush_spread        # decode steps over which a batch's full buffers become pages
-        self.flush = flush                      # "torch" or "fused": how a decode step's full buffers become pages
+        self.flush = flush                      # how a decode step's full buffers become pages (FLUSH_MODES)
         self.seen = 0                           # positions seen, padding included (what masks are sized by)
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -493,7 +494,10 @@ class KittyLayer(CacheLayerMixin):
         """Whether a decode step's full buffers go through the fused kernels (kernels/flush.py): flush="fused" and
         channels the kernel can choose itself, by magnitude (or all or none boosted). Random and query-aware
         selection, and subclasses with their own _choose_boost (backend.insights), keep the torch path."""
-        return (self.flush == "fused" and (self.config.selection == "magnitude" or self.n_boost in (0, self.head_dim))
+        # "auto": fused on a GPU, where it makes a batch-192 page-boundary step 32 instead of 50 ms at the same
+        # decode speed (BENCHMARKS.md section 2); torch on a CPU, where Triton would run interpreted
+        fused = self.flush == "fused" or (self.flush == "auto" and self.k_fp.is_cuda)
+        return (fused and (self.config.selection == "magnitude" or self.n_boost in (0, self.head_dim))
                 and type(self)._choose_boost is KittyLayer._choose_boost)
 
     def _flush_in_kernels(self, key_rows: np.ndarray, value_rows: np.ndarray) -> None:
@@ -656,7 +660,7 @@ class KittyCache(Cache):
 
     def __init__(self, config: CacheConfig, model_config, use_triton: bool | None = None,
                  record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
-                 flush: str = "torch"):
+                 flush: str = "auto"):
         text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         layers = []
         for i, kind in enumerate(attention_layer_types(model_config)):

@@ -164,15 +164,20 @@ def test_flush_modes_are_validated_and_other_selections_keep_the_torch_path():
     model = tiny_model(layers=1)
     with pytest.raises(ValueError, match="flush='triton' must be one of"):
         make_cache(model, "kitty", flush="triton")
-    def fused(cfg, flush="fused") -> bool:
+    def fused(cfg, flush="fused", device=DEVICE) -> bool:
         layer = KittyLayer(cfg, flush=flush)
-        layer.lazy_initialization(torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 64))
+        layer.lazy_initialization(torch.zeros(1, 2, 1, 64, device=device), torch.zeros(1, 2, 1, 64, device=device))
         return layer._fused_flush()
 
     assert all(fused(method_config(method)) for method in ("kitty", "kitty-pro", "kivi-k2v2", "kivi-k4v4"))
     assert fused(method_config("kivi-k4v4", selection="random"))           # all channels boosted: nothing drawn
     assert not any(fused(method_config("kitty", selection=selection)) for selection in ("random", "query"))
     assert not fused(method_config("kitty"), flush="torch")
+    # the default: fused for a cache on a GPU, torch on a CPU (where Triton would run interpreted)
+    assert KittyLayer(method_config("kitty")).flush == "auto"
+    assert not fused(method_config("kitty"), flush="auto", device="cpu")
+    if torch.cuda.is_available():
+        assert fused(method_config("kitty"), flush="auto", device="cuda")
 
 
 class _Launches(TorchDispatchMode):
