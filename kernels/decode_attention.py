@@ -494,12 +494,21 @@ def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr
     tl.store(out_ptr + row * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-# The merge reads every part of every row once. Sequences x query heads x channel blocks of programs, so that a
-# batch of one (32 rows for Qwen3-8B) still spreads over the GPU, and BLOCK_S parts per load, so that 128 or more
-# parts take a few dependent loads instead of one per 16 parts.
-MERGE_BLOCK_S = 64
-MERGE_BLOCK_DC = 32
+# The merge reads every part of every row once, MERGE_TILE floats (BLOCK_S parts x BLOCK_DC channels) per step. A
+# row's channels are split over programs while there are too few rows to fill the GPU: a batch of one (32 rows for
+# Qwen3-8B) takes 4 programs of 64 parts x 32 channels per row (21.6 instead of 28.0 us at batch 1 / 32K, where one
+# one-warp program per row looped 16 parts at a time; BENCHMARKS.md section 1); from 4 rows per multiprocessor on
+# (batch 16 and up) each row is one program reading 16 parts x 128 channels a step, the earlier merge's tile.
+MERGE_TILE = 2048
 MERGE_WARPS = 2
+
+
+def merge_blocks(rows: int, d: int, sm_count: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_DC) of the merge for `rows` (sequence, query head) rows of d channels."""
+    block_dc = triton.next_power_of_2(d)
+    while block_dc > 32 and rows * triton.cdiv(d, block_dc) < 4 * sm_count:
+        block_dc //= 2
+    return MERGE_TILE // block_dc, block_dc
 
 
 def interpreted() -> bool:
@@ -614,12 +623,16 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     return merge_splits(part_o, part_m, part_l, out)
 
 
-def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,
+                 sm_count: int | None = None) -> torch.Tensor:
     """out (B, HQ, D) = sum_p 2^(m_p - M) o_p / sum_p 2^(m_p - M) l_p over the parts p of each row (M: the rows'
-    largest m; parts with m = -inf weigh nothing): the split programs' partials (B, HQ, P, D), (B, HQ, P) x 2."""
+    largest m; parts with m = -inf weigh nothing): the split programs' partials (B, HQ, P, D), (B, HQ, P) x 2.
+    sm_count: the multiprocessors the merge spreads over (default: the device's)."""
     bsz, hq, num_parts, d = part_o.shape
-    block_dc = min(MERGE_BLOCK_DC, triton.next_power_of_2(d))
+    if sm_count is None:
+        sm_count = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 4
+    block_s, block_dc = merge_blocks(bsz * hq, d, sm_count)
     _merge_splits_kernel[(bsz * hq, triton.cdiv(d, block_dc))](part_o, part_m, part_l, out, num_parts, D=d,
-                                                               BLOCK_S=MERGE_BLOCK_S, BLOCK_DC=block_dc,
+                                                               BLOCK_S=block_s, BLOCK_DC=block_dc,
                                                                num_warps=MERGE_WARPS)
     return out

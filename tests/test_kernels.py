@@ -17,8 +17,9 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (MAGIC, MERGE_BLOCK_S, DecodeWorkspace, decode_attention, decode_attention_ref,
-                                      field_weights, gather_kv, merge_splits, remaining_blocks, unpack_asm)
+from kernels.decode_attention import (MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref,
+                                      field_weights, gather_kv, merge_blocks, merge_splits, remaining_blocks,
+                                      unpack_asm)
 from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
 from kernels.layout import boost_mask, pack_quarters, unpack_quarters
 from kernels.quantize import (channel_error, channel_error_ref, choose_boost, quantize_keys, quantize_keys_ref,
@@ -212,22 +213,30 @@ def test_decode_attention_matches_reference(case):
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
 
 
+def test_merge_blocks_split_channels_only_while_rows_are_few():
+    assert merge_blocks(32, 128, 132) == (64, 32)                # batch 1 of Qwen3-8B: 4 programs per row
+    assert merge_blocks(64 * 32, 128, 132) == (16, 128)          # batch 64: one program per row
+    assert merge_blocks(6, 64, 1) == (32, 64) and merge_blocks(6, 64, 100) == (64, 32)
+
+
 @pytest.mark.parametrize("d", [64, 128])
-def test_merge_of_many_parts_is_the_log_sum_exp_merge(d):
-    """More parts than the merge reads per step (MERGE_BLOCK_S), empty ones (m = -inf) among them, a whole step of
-    empty parts first and the largest maximum in a later step: the running rescale equals the one-shot merge."""
+@pytest.mark.parametrize("sm_count", [1, 1000])                 # whole rows per program; channel blocks of 32
+def test_merge_of_many_parts_is_the_log_sum_exp_merge(d, sm_count):
+    """More parts than the merge reads per step, empty ones (m = -inf) among them, a whole step of empty parts first
+    and the largest maximum in a later step: the running rescale equals the one-shot merge."""
     gen = torch.Generator().manual_seed(d)
-    bsz, hq, parts = 2, 3, 2 * MERGE_BLOCK_S + 23
+    bsz, hq, parts = 2, 3, 151
+    assert parts > 2 * max(merge_blocks(bsz * hq, d, sm_count)[0] for sm_count in (1, 1000))
     part_o = torch.randn(bsz, hq, parts, d, generator=gen)
     part_m = torch.randn(bsz, hq, parts, generator=gen) * 4
     part_l = torch.rand(bsz, hq, parts, generator=gen) + 0.5
-    part_m[:, :, :MERGE_BLOCK_S + 5] = float("-inf")
+    part_m[:, :, :70] = float("-inf")
     part_m[:, :, torch.randperm(parts, generator=gen)[:parts // 3]] = float("-inf")
     part_m[0, 1, -1] = 30.0                                            # one part dominates, in the last step
     w = torch.exp2(part_m - part_m.amax(-1, keepdim=True))
     want = (part_o * w[..., None]).sum(2) / (part_l * w).sum(-1, keepdim=True)
     out = torch.empty(bsz, hq, d, device=DEVICE)
-    got = merge_splits(*(t.to(DEVICE) for t in (part_o, part_m, part_l)), out)
+    got = merge_splits(*(t.to(DEVICE) for t in (part_o, part_m, part_l)), out, sm_count=sm_count)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
