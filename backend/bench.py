@@ -217,7 +217,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "pdl")
 
 
 def bench_tune(args) -> dict:
@@ -242,18 +242,20 @@ def bench_tune(args) -> dict:
             chosen = default_splits(batch, h, pages, sm_count)
             # the split count around the default (1 warp, 3 stages, register cap MAXNREG), then at the default split
             # other register caps (a cap buys resident programs with spills), pipeline depths and two warps per
-            # program (each a half of every page: no spills at 128 registers, a third more instructions in all)
+            # program (each a half of every page: no spills at 128 registers, a third more instructions in all), and the
+            # merge launched while the split kernel runs (programmatic dependent launch)
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, pdl=False)
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
                       "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
-                      "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)]}
+                      "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
+                      "pdl": [{**base, "pdl": True}]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
-                                               maxnreg=setting["maxnreg"])
+                                               maxnreg=setting["maxnreg"], pdl=setting["pdl"])
                 seconds = median_seconds(run, args.quick)
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))

@@ -32,6 +32,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV
@@ -380,7 +381,9 @@ def _decode_split_kernel(
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
-        BLOCK_NB: tl.constexpr):
+        BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:                       # the merge may launch now: its programs wait for this grid's writes (gdc_wait)
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
@@ -469,12 +472,15 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["NPART"])
 def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_DC: tl.constexpr):
+                         BLOCK_DC: tl.constexpr, PDL: tl.constexpr = False):
     """One (sequence, query head) row and BLOCK_DC of its channels: the partials of all NPART parts merged with
-    log-sum-exp weights in one pass (a running maximum rescales what is summed so far), BLOCK_S parts per step."""
+    log-sum-exp weights in one pass (a running maximum rescales what is summed so far), BLOCK_S parts per step.
+    PDL: launched before the split kernel ends (programmatic dependent launch), so wait for its writes first."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
     dmask = d < D
+    if PDL:
+        gdc_wait()
     m_run = float("-inf")
     den = 0.0
     num = tl.zeros((BLOCK_DC,), tl.float32)
@@ -602,12 +608,14 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int = MAXNREG) -> torch.Tensor:
+                     maxnreg: int = MAXNREG, pdl: bool = False) -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
     (defaults tuned on the H200; maxnreg 255 leaves it to the compiler). With a workspace, its buffers are reused
-    (see DecodeWorkspace); without, they are allocated per call."""
+    (see DecodeWorkspace); without, they are allocated per call. pdl: launch the merge with programmatic dependent
+    launch (Hopper and later; ignored elsewhere), so that its launch overlaps the split kernel's work (an experiment:
+    not yet measured, `python -m backend.bench tune --vary pdl`)."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     if num_splits is None:
@@ -619,20 +627,28 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-    _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options)
-    return merge_splits(part_o, part_m, part_l, out)
+    pdl = pdl and pdl_supported(q.device)
+    _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options, **({"PDL": True} if pdl else {}))
+    return merge_splits(part_o, part_m, part_l, out, pdl=pdl)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: compiled Triton on a Hopper or later GPU (the interpreter has no griddepcontrol)."""
+    return device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,
-                 sm_count: int | None = None) -> torch.Tensor:
+                 sm_count: int | None = None, pdl: bool = False) -> torch.Tensor:
     """out (B, HQ, D) = sum_p 2^(m_p - M) o_p / sum_p 2^(m_p - M) l_p over the parts p of each row (M: the rows'
     largest m; parts with m = -inf weigh nothing): the split programs' partials (B, HQ, P, D), (B, HQ, P) x 2.
-    sm_count: the multiprocessors the merge spreads over (default: the device's)."""
+    sm_count: the multiprocessors the merge spreads over (default: the device's). pdl: the partials' writer was
+    launched with PDL=True, and this launch may start before it ends (pdl_supported devices only)."""
     bsz, hq, num_parts, d = part_o.shape
     if sm_count is None:
         sm_count = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 4
     block_s, block_dc = merge_blocks(bsz * hq, d, sm_count)
     _merge_splits_kernel[(bsz * hq, triton.cdiv(d, block_dc))](part_o, part_m, part_l, out, num_parts, D=d,
                                                                BLOCK_S=block_s, BLOCK_DC=block_dc,
-                                                               num_warps=MERGE_WARPS)
+                                                               num_warps=MERGE_WARPS,
+                                                               **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return out

@@ -50,7 +50,7 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None):
+                         maxnreg: int | None = None, pdl: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -63,6 +63,7 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
+    constants["PDL"] = pdl
     names = _decode_split_kernel.arg_names
     signature, attrs = {}, {}
     for i, (name, value) in enumerate(zip(names, args)):

@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -317,6 +319,43 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     refused = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert refused.returncode == 2 and "TRITON_INTERPRET=0" in refused.stderr
 
+
+
+def test_programmatic_dependent_launch_compiles_into_both_kernels_for_hopper():
+    """decode_attention(pdl=True): the split kernel lets the merge launch early (griddepcontrol.launch_dependents)
+    and the merge waits for the partials (griddepcontrol.wait); compiled for sm_90 without a GPU. Without pdl
+    neither instruction is there. (Its results on the H200: test_decode_attention_with_pdl_equals_without.)"""
+    code = textwrap.dedent("""
+        import torch, triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from kernels.decode_attention import _merge_splits_kernel
+        from kernels.sass_profile import compile_split_kernel
+        for pdl in (False, True):
+            split = compile_split_kernel("kitty-pro", torch.bfloat16, 4, pdl=pdl).asm["ptx"]
+            signature = {"po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "out_ptr": "*bf16", "NPART": "i32",
+                         "D": "constexpr", "BLOCK_S": "constexpr", "BLOCK_DC": "constexpr", "PDL": "constexpr"}
+            source = ASTSource(fn=_merge_splits_kernel, signature=signature,
+                               constexprs={"D": 128, "BLOCK_S": 64, "BLOCK_DC": 32, "PDL": pdl})
+            merge = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+            print(pdl, "griddepcontrol.launch_dependents" in split, "griddepcontrol.wait" in merge)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "False", "False", "True", "True", "True"], run.stdout
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a Hopper or later GPU")
+def test_decode_attention_with_pdl_equals_without():
+    kv, _, _ = random_paged_kv([4100, 300, 1], heads=2, head_dim=128, n_boost=32, seed=5, device=DEVICE,
+                               dtype=torch.bfloat16)
+    q = torch.randn(3, 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
+    for splits in (None, 7):
+        plain = decode_attention(q, kv, 128 ** -0.5, num_splits=splits)
+        torch.testing.assert_close(decode_attention(q, kv, 128 ** -0.5, num_splits=splits, pdl=True), plain,
+                                   atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("g,d", [(36, 64), (128, 64), (64, 128)])
