@@ -3,7 +3,7 @@ attention table, the launch-setting sweep, a generation table, and (when a check
 given) the earlier kernel's attention table measured in the same run.
 
     python -m backend.gpu_report --out DIR [--steps tests attention tune generate] [--baseline PATH]
-                                 [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...]
+                                 [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...] [--tune ARGS]
                                  [--pytest "tests/test_graphs.py -k graphed"]
 
 Each step is its own process with a share of the time budget; its output goes to DIR/log.txt and its results to
@@ -31,7 +31,7 @@ def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None
         "tests": [([py, "-m", "pytest", "-q", "-rf", "--tb=short", "-p", "no:cacheprovider", *xdist,
                     *shlex.split(args.pytest)], None)],
         "attention": [([py, "-m", "backend.bench", "attention", "--out", str(out / "attention.json")], None)],
-        "tune": [([py, "-m", "backend.bench", "tune", "--out", str(out / "tune.json")], None)],
+        "tune": [([py, "-m", "backend.bench", "tune", *shlex.split(args.tune), "--out", str(out / "tune.json")], None)],
         "baseline": [([py, "-m", "backend.bench", "attention", "--methods", "kitty-pro", "kivi-k2v2",
                        "--out", str(out / "baseline.json")], args.baseline)],
         "generate": [([py, "-m", "backend.bench", "generate", *shlex.split(extra),
@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     parser.add_argument("--generate", action="append", metavar="ARGS",
                         help="arguments of one `bench generate` run (repeatable; default: 512 + 256 tokens, "
                              "HF static FP16 and kitty-pro)")
+    parser.add_argument("--tune", default="", metavar="ARGS",
+                        help="arguments of the `bench tune` step (e.g. \"--vary pdl warps --batches 1 8\"; default: "
+                             "every sweep at every shape)")
     parser.add_argument("--pytest", default="tests/test_kernels.py tests/test_cache.py tests/test_graphs.py "
                         "tests/test_flush.py",
                         help="what the tests step runs: pytest arguments (files, -k EXPR)")

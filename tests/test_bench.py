@@ -189,3 +189,18 @@ def test_results_name_the_measured_sources_by_git_blob_id(tmp_path):
     for name, blob in sources.items():
         hashed = subprocess.run(["git", "hash-object", str(ROOT / name)], capture_output=True, text=True, check=True)
         assert blob == hashed.stdout.strip(), name
+
+
+def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
+    """The one command a device call runs: each generate table and the tune sweep get the arguments given for them."""
+    from backend.gpu_report import main, step_commands
+    parser_args = type("Args", (), dict(pytest="tests/test_kernels.py -k pdl", tune="--vary pdl --batches 1",
+                                        generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline=None))
+    steps = step_commands(parser_args, tmp_path)
+    assert steps["tune"][0][0][-6:] == ["--vary", "pdl", "--batches", "1", "--out", str(tmp_path / "tune.json")]
+    assert [cmd[-5:-2] for cmd, _ in steps["generate"]] == [["64", "--methods", "kitty"], ["generate", "--prompt", "32"]]
+    assert steps["tests"][0][0][-3:] == ["tests/test_kernels.py", "-k", "pdl"]
+    # a real run of one cheap step: its status line and log
+    assert main(["--out", str(tmp_path / "run"), "--steps", "tune", "--tune", "--quick --vary pdl"]) == 0
+    assert "===== tune: exit 0" in (tmp_path / "run" / "log.txt").read_text()
+    assert json.loads((tmp_path / "run" / "tune.json").read_text())["kind"] == "tune"
