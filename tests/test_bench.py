@@ -198,7 +198,8 @@ def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
                                         generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline=None))
     steps = step_commands(parser_args, tmp_path)
     assert steps["tune"][0][0][-6:] == ["--vary", "pdl", "--batches", "1", "--out", str(tmp_path / "tune.json")]
-    assert [cmd[-5:-2] for cmd, _ in steps["generate"]] == [["64", "--methods", "kitty"], ["generate", "--prompt", "32"]]
+    generate = [cmd[-5:-2] for cmd, _ in steps["generate"]]
+    assert generate == [["64", "--methods", "kitty"], ["generate", "--prompt", "32"]]
     assert steps["tests"][0][0][-3:] == ["tests/test_kernels.py", "-k", "pdl"]
     # a real run of one cheap step: its status line and log
     assert main(["--out", str(tmp_path / "run"), "--steps", "tune", "--tune", "--quick --vary pdl"]) == 0
