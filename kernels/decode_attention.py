@@ -548,9 +548,13 @@ def resident_programs(maxnreg: int, num_warps: int = 1) -> int:
 def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 132,
                    resident: int = resident_programs(MAXNREG)) -> int:
     """Programs over the paged blocks per (sequence, KV head): one wave of `resident` programs per multiprocessor
-    (a wave that is a few programs over costs a whole second wave), with at least MIN_PAGES_PER_SPLIT pages each.
-    Fitted to the H200 sweeps in BENCHMARKS.md (`python -m backend.bench tune`)."""
+    (a wave that is a few programs over costs a whole second wave), with at least MIN_PAGES_PER_SPLIT pages each;
+    one page each where that grid fills at most a quarter of a wave (the GPU is mostly idle and each program's
+    latency is the time: batch 1 / 4K, 13.0 against 14.2 us; at 2,048 such programs, batch 8 / 4K and batch 1 /
+    32K, two pages each win). Fitted to the H200 sweeps in BENCHMARKS.md (`python -m backend.bench tune`)."""
     wave = resident * sm_count
+    if 4 * batch * kv_heads * max_pages <= wave:
+        return max(1, min(max_pages, 256))
     return max(1, min(wave // (batch * kv_heads), triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
 
 

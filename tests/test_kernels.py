@@ -19,7 +19,7 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref,
+from kernels.decode_attention import (MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref, default_splits,
                                       field_weights, gather_kv, merge_blocks, merge_splits, remaining_blocks,
                                       unpack_asm)
 from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
@@ -213,6 +213,13 @@ def test_decode_attention_matches_reference(case):
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
+
+
+def test_default_splits_are_the_h200_sweeps_best():
+    """The split counts bench tune found best on the H200 (BENCHMARKS.md section 1) at the Qwen3-8B shapes: 8 KV
+    heads, pages of 128 tokens, 132 multiprocessors."""
+    chosen = {(b, tokens): default_splits(b, 8, tokens // 128) for b in (1, 8, 64) for tokens in (4096, 32768)}
+    assert chosen == {(1, 4096): 32, (8, 4096): 16, (64, 4096): 4, (1, 32768): 128, (8, 32768): 33, (64, 32768): 4}
 
 
 def test_merge_blocks_split_channels_only_while_rows_are_few():
