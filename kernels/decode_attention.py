@@ -637,7 +637,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: compiled Triton on a Hopper or later GPU (the interpreter has no griddepcontrol)."""
+    """Programmatic dependent launch: compiled Triton on a Hopper or later GPU (no griddepcontrol when
+    interpreted)."""
     return device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
