@@ -33,7 +33,8 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     ops that choose channels, write the pool and table and shift the buffers (~33 launches a layer). "fused": one
     Triton kernel per kind does all of that (kernels/flush.py), the same pages (magnitudes up to float32 summation
     order); Triton also on a CPU (interpreted), whatever use_triton says. "auto" (default): fused for a cache on a
-    GPU, torch otherwise. Random and query-aware channel selection always take the torch path.
+    GPU unless use_triton=False, torch otherwise. Random and query-aware channel selection always take the torch
+    path.
     Switches `model` to the "kitty" attention function, which is plain SDPA for any other cache."""
     config = method if isinstance(method, CacheConfig) else method_config(method, **settings)
     use_kitty_attention(model)

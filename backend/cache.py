@@ -495,8 +495,9 @@ class KittyLayer(CacheLayerMixin):
         channels the kernel can choose itself, by magnitude (or all or none boosted). Random and query-aware
         selection, and subclasses with their own _choose_boost (backend.insights), keep the torch path."""
         # "auto": fused on a GPU, where it makes a batch-192 page-boundary step 32 instead of 50 ms at the same
-        # decode speed (BENCHMARKS.md section 2); torch on a CPU, where Triton would run interpreted
-        fused = self.flush == "fused" or (self.flush == "auto" and self.k_fp.is_cuda)
+        # decode speed (BENCHMARKS.md section 2), unless use_triton=False asks for the PyTorch path; torch on a CPU,
+        # where Triton would run interpreted
+        fused = self.flush == "fused" or (self.flush == "auto" and self.k_fp.is_cuda and self._triton())
         return (fused and (self.config.selection == "magnitude" or self.n_boost in (0, self.head_dim))
                 and type(self)._choose_boost is KittyLayer._choose_boost)
 

@@ -164,8 +164,8 @@ def test_flush_modes_are_validated_and_other_selections_keep_the_torch_path():
     model = tiny_model(layers=1)
     with pytest.raises(ValueError, match="flush='triton' must be one of"):
         make_cache(model, "kitty", flush="triton")
-    def fused(cfg, flush="fused", device=DEVICE) -> bool:
-        layer = KittyLayer(cfg, flush=flush)
+    def fused(cfg, flush="fused", device=DEVICE, use_triton=None) -> bool:
+        layer = KittyLayer(cfg, use_triton=use_triton, flush=flush)
         layer.lazy_initialization(torch.zeros(1, 2, 1, 64, device=device), torch.zeros(1, 2, 1, 64, device=device))
         return layer._fused_flush()
 
@@ -178,6 +178,7 @@ def test_flush_modes_are_validated_and_other_selections_keep_the_torch_path():
     assert not fused(method_config("kitty"), flush="auto", device="cpu")
     if torch.cuda.is_available():
         assert fused(method_config("kitty"), flush="auto", device="cuda")
+        assert not fused(method_config("kitty"), flush="auto", device="cuda", use_triton=False)
 
 
 class _Launches(TorchDispatchMode):
