@@ -49,7 +49,7 @@ class KittyLayer(CacheLayerMixin):
 
     def __init__(self, config: CacheConfig, layer_idx: int = 0, use_triton: bool | None = None,
                  record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
-                 flush: str = "auto"):
+                 flush: str = "auto", shared_indices: dict | None = None):
         super().__init__()
         if isinstance(flush_spread, bool) or not isinstance(flush_spread, int) or flush_spread < 1:
             raise ValueError(f"flush_spread={flush_spread!r} must be a positive integer (1: the paper's schedule)")
@@ -64,6 +64,8 @@ class KittyLayer(CacheLayerMixin):
         self.reserve_tokens = reserve_tokens    # page storage to set aside per sequence (no reallocation later)
         self.flush_spread = flush_spread        # decode steps over which a batch's full buffers become pages
         self.flush = flush                      # how a decode step's full buffers become pages (FLUSH_MODES)
+        # device -> the DeviceIndices this layer shares with the other layers of its cache (None: its own)
+        self.shared_indices = shared_indices
         self.seen = 0                           # positions seen, padding included (what masks are sized by)
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -105,7 +107,10 @@ class KittyLayer(CacheLayerMixin):
         per_sequence = -(-max(0, self.reserve_tokens - s) // g)
         self.key_table = PageTable(bsz, self.device, per_sequence if cfg.k_bits < 16 else 0)
         self.value_table = PageTable(bsz, self.device, per_sequence if cfg.v_bits < 16 else 0)
-        self.to_device = DeviceIndices(self.device)
+        if self.shared_indices is None:
+            self.to_device = DeviceIndices(self.device)
+        else:
+            self.to_device = self.shared_indices.setdefault(self.device, DeviceIndices(self.device))
         self.workspace = DecodeWorkspace()
         # Query-aware selection: per sequence, KV head and channel, the sum of q_c^2 over the queries seen so far,
         # and its value when the sequence's newest key buffer filled (its page is chosen with that one)
@@ -663,11 +668,11 @@ class KittyCache(Cache):
                  record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
                  flush: str = "auto"):
         text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-        layers = []
+        layers, shared_indices = [], {}
         for i, kind in enumerate(attention_layer_types(model_config)):
             if kind == "full_attention":
                 layers.append(KittyLayer(config, i, use_triton, record_magnitudes, reserve_tokens, flush_spread,
-                                         flush))
+                                         flush, shared_indices))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
         super().__init__(layers=layers)

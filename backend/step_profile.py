@@ -140,10 +140,10 @@ def bookkeeping(method: str, batch: int, prompt: int, steps: int, layers: int = 
     from .cache import KittyLayer
     from .methods import method_config
     cfg = method_config(method)
-    cache = []
+    cache, shared_indices = [], {}                        # the layers share their index copies, as in KittyCache
     for i in range(layers):
         layer = KittyLayer(cfg, i, use_triton=False, record_magnitudes=False, reserve_tokens=prompt + steps,
-                           flush="fused")
+                           flush="fused", shared_indices=shared_indices)
         k = torch.zeros(batch, 1, prompt, 64, dtype=torch.bfloat16)     # the sizes do not matter to the host
         layer.lazy_initialization(k, k)
         layer._append(k, k, np.full(batch, prompt))

@@ -278,6 +278,25 @@ def test_device_indices_carry_every_array_in_one_copy(device):
         assert all(t.data_ptr() % 16 == 0 for t in got), [t.data_ptr() % 16 for t in got]
 
 
+def test_device_indices_copy_once_for_the_layers_of_a_cache():
+    """The layers of a cache share one DeviceIndices: at a page boundary they ask for the same rows, page ids and
+    columns, and the copy made for the first layer serves the others; different arrays (or the caller's array
+    changed in place) get a copy of their own."""
+    to_device = DeviceIndices("cpu")
+    first = to_device(np.arange(3), np.array([5, 6]))
+    assert all(a is b for a, b in zip(first, to_device(np.arange(3), np.array([5, 6]))))
+    other = to_device(np.arange(3), np.array([5, 7]))
+    assert other[1].tolist() == [5, 7] and other[1] is not first[1]
+    rows = np.arange(4)
+    to_device(rows)
+    rows[0] = 9
+    assert to_device(rows)[0].tolist() == [9, 1, 2, 3]
+    model = tiny_model(layers=3)
+    cache = make_cache(model, "kitty")
+    feed(model, torch.randint(3, 256, (2, 300), generator=torch.Generator().manual_seed(0)), cache, prefix=250)
+    assert len({id(layer.to_device) for layer in cache.layers}) == 1
+
+
 def test_memory_matches_the_layout_at_4096_tokens():
     """kitty at 4,096 tokens: the bytes used are what the layout implies (2 + 2 alpha bits per key element, 2 per
     value element, FP16 metadata, a page-table entry per page, sink / Q-buffer / window at 16 bits even for a
