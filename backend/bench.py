@@ -47,7 +47,7 @@ import triton.testing
 
 # on a CPU: Triton interpreted
 from kernels.decode_attention import (MAXNREG, DecodeWorkspace, decode_attention, default_splits, merge_splits,
-                                      resident_programs)
+                                      multiprocessors, resident_programs)
 
 from . import memory
 from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
@@ -230,7 +230,7 @@ def bench_tune(args) -> dict:
     batches = args.batches or ([1, 8, 64] if not args.quick else [1])
     lengths = args.lengths or ([4096, 32768] if not args.quick else [300])
     method = (args.methods or ["kitty-pro"])[0]
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+    sm_count = multiprocessors(torch.device(device))
     rows = []
     for length in lengths:
         for batch in batches:
@@ -456,7 +456,7 @@ def bench_generate(args) -> dict:
             and method_config(method).k_bits < 16 and method_config(method).v_bits < 16
         if torch.cuda.is_available():
             ws_fixed, ws_per_seq = decode_workspace_bytes(method, model, args.flush_spread,
-                                                          torch.cuda.get_device_properties(0).multi_processor_count)
+                                                          multiprocessors(torch.device("cuda")))
             per_seq = (kv_bytes_per_sequence(method, model, prompt + new_tokens, args.flush_spread)
                        + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk) + ws_per_seq)
             # a Kitty chunk dequantizes its pages a bounded slice at a time, whatever the batch

@@ -539,6 +539,12 @@ MAXNREG = 128
 MIN_PAGES_PER_SPLIT = 2       # a program's set-up and first page's latency outweigh a single page of work
 
 
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 stand in for a CPU (the interpreter), where the launch shapes
+    only have to be valid."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def resident_programs(maxnreg: int, num_warps: int = 1) -> int:
     """Programs of the decode kernel resident on one multiprocessor at `maxnreg` registers per thread: 8 one-warp
     programs at the compiler's 255, 16 at a cap of 128."""
@@ -623,7 +629,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     if num_splits is None:
-        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        sm_count = multiprocessors(q.device)
         num_splits = default_splits(bsz, h, max(1, kv.k_table.shape[1]), sm_count,
                                     resident_programs(maxnreg, num_warps))
     num_parts = num_splits + remaining_blocks(kv)
@@ -650,7 +656,7 @@ def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tenso
     launched with PDL=True, and this launch may start before it ends (pdl_supported devices only)."""
     bsz, hq, num_parts, d = part_o.shape
     if sm_count is None:
-        sm_count = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 4
+        sm_count = multiprocessors(out.device)
     block_s, block_dc = merge_blocks(bsz * hq, d, sm_count)
     _merge_splits_kernel[(bsz * hq, triton.cdiv(d, block_dc))](part_o, part_m, part_l, out, num_parts, D=d,
                                                                BLOCK_S=block_s, BLOCK_DC=block_dc,

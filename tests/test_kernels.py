@@ -235,7 +235,7 @@ def test_merge_of_many_parts_is_the_log_sum_exp_merge(d, sm_count):
     and the largest maximum in a later step: the running rescale equals the one-shot merge."""
     gen = torch.Generator().manual_seed(d)
     bsz, hq, parts = 2, 3, 151
-    assert parts > 2 * max(merge_blocks(bsz * hq, d, sm_count)[0] for sm_count in (1, 1000))
+    assert parts > 2 * merge_blocks(bsz * hq, d, sm_count)[0]               # the running rescale is exercised
     part_o = torch.randn(bsz, hq, parts, d, generator=gen)
     part_m = torch.randn(bsz, hq, parts, generator=gen) * 4
     part_l = torch.rand(bsz, hq, parts, generator=gen) + 0.5
@@ -325,7 +325,6 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     assert 0 < counts["loop matrix"] < counts["matrix"] and counts["loop cp.async"] > 0, run.stdout
     refused = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert refused.returncode == 2 and "TRITON_INTERPRET=0" in refused.stderr
-
 
 
 def test_programmatic_dependent_launch_compiles_into_both_kernels_for_hopper():
