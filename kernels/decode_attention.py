@@ -504,7 +504,8 @@ def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr
 # row's channels are split over programs while there are too few rows to fill the GPU: a batch of one (32 rows for
 # Qwen3-8B) takes 4 programs of 64 parts x 32 channels per row (21.6 instead of 28.0 us at batch 1 / 32K, where one
 # one-warp program per row looped 16 parts at a time; BENCHMARKS.md section 1); from 4 rows per multiprocessor on
-# (batch 17 and up for Qwen3-8B) each row is one program reading 16 parts x 128 channels a step, the earlier merge's tile.
+# (Qwen3-8B: batch 17 and up) each row is one program reading 16 parts x 128 channels a step, the earlier merge's
+# tile.
 MERGE_TILE = 2048
 MERGE_WARPS = 2
 
