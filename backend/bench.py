@@ -6,6 +6,7 @@
     python -m backend.bench generate --quick --prefill-chunk 16       # chunked prefill, tiny shapes on a CPU
     python -m backend.bench attention --quick --out results.json      # tiny shapes on a CPU, under a minute
     python -m backend.bench compare [--methods fp16 kivi-k2v2 kitty] [--new-tokens 64] [--repeat 2]
+    python -m backend.bench turn [--prompt 8192] [--new-tokens 256] [--batch 16]   # a chat's next turn, ragged
     python -m backend.bench plot results.json                          # figures (HTML, PNG) from saved results
 
 attention: decode attention of one query per sequence over a cache of L tokens, Qwen3-8B attention shape
@@ -21,6 +22,10 @@ page-boundary quantization steps cost. --prefill-chunk N feeds the prompt throug
 exist for the whole prompt at once, so the prefill peak no longer limits the batch. On a GPU, Kitty caches replay
 their decode steps as CUDA graphs (backend.graphs; --eager turns that off), transformers' caches run eagerly as
 generate runs them; each row says which.
+
+turn: a chat's next turn on a ragged batch: each sequence's cache holds a first turn of its own length (from the
+whole --prompt down to about half), then --new-tokens tokens go through the model in one timed forward, for each
+method (a Kitty cache attends over its pages dequantized, sink and buffers, and the turn's tokens: _attend_chunk).
 
 compare: what a visitor waits for: one comparison of the page (default model, default prompt, the methods at once,
 one thread each) until every answer is complete, and until each is also scored against FP16 (teacher forcing).
@@ -310,6 +315,20 @@ def kv_bytes_per_sequence(method: str, model, tokens: int, flush_spread: int = 1
     return memory.sequence_bytes(method_config(method), cfg, tokens, reserved=True, flush_spread=flush_spread)
 
 
+def requantize_bytes_per_sequence(method: str, model, tokens: int) -> float:
+    """What transformers' QuantizedCache (quanto) allocates beside its cache for one sequence whose layer holds
+    `tokens` tokens, one layer at a time, at a step that requantizes (every 128 tokens, and every prefill chunk):
+    QuantizedLayer.update keeps the dequantized keys and values and their concatenations with the residual alive
+    (4 copies in the model dtype) while quanto quantizes one of them (about two temporaries in the model dtype and
+    its unpacked codes, one byte per element: the 32 MiB per sequence that ran out at 32K in session 7). Nothing
+    for other methods."""
+    if not method.startswith("hf-quanto"):
+        return 0.0
+    cfg = model.config
+    elem = 2 if model.dtype != torch.float32 else 4
+    return tokens * cfg.num_key_value_heads * cfg.head_dim * (6 * elem + 1)
+
+
 def decode_workspace_bytes(method: str, model, flush_spread: int = 1,
                            sm_count: int = 132) -> tuple[float, float]:
     """(fixed bytes, bytes per sequence) of the Kitty decode kernel's per-layer workspace (DecodeWorkspace): float32
@@ -458,7 +477,8 @@ def bench_generate(args) -> dict:
             ws_fixed, ws_per_seq = decode_workspace_bytes(method, model, args.flush_spread,
                                                           multiprocessors(torch.device("cuda")))
             per_seq = (kv_bytes_per_sequence(method, model, prompt + new_tokens, args.flush_spread)
-                       + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk) + ws_per_seq)
+                       + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk) + ws_per_seq
+                       + requantize_bytes_per_sequence(method, model, prompt + new_tokens))
             # a Kitty chunk dequantizes its pages a bounded slice at a time, whatever the batch
             fixed = ws_fixed + (DEQUANT_ELEMENTS * 2 if args.prefill_chunk and not method.startswith("hf-") else 0)
             batch = max(1, int((budget - fixed) / per_seq)) if not args.batch else args.batch
@@ -494,6 +514,88 @@ def bench_generate(args) -> dict:
             torch.cuda.empty_cache()
     return {"kind": "generate", "budget_gb": args.budget_gb, "prefill_chunk": args.prefill_chunk,
             "model": "Qwen3-8B shape, random weights", "rows": rows, "env": environment()}
+
+
+def ragged_prompt(batch: int, prompt: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded first turn whose sequences all differ in length: sequence b has prompt - b * prompt // (2 *
+    batch) real tokens (from the whole prompt down to about half of it). Returns ids and the attention mask."""
+    real = prompt - np.arange(batch) * prompt // (2 * batch)
+    ids = torch.randint(100, vocab, (batch, prompt), device=device, generator=torch.Generator(device=device).manual_seed(2))
+    mask = (torch.arange(prompt, device=device)[None, :] >= torch.as_tensor(prompt - real, device=device)[:, None])
+    return ids, mask.long()
+
+
+def run_turn(model, method, batch, prompt, turn):
+    """A chat's next turn on a filled cache: a ragged, left-padded first turn of up to `prompt` tokens, then
+    `turn` new tokens for every sequence in one forward, the one timed. Returns the timed forward's row."""
+    device = model.device
+    ids, mask = ragged_prompt(batch, prompt, model.config.vocab_size, device)
+    cache = make_peer_cache(method, model, batch, prompt + turn)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=1)
+        ids2 = torch.randint(100, model.config.vocab_size, (batch, turn), device=device,
+                             generator=torch.Generator(device=device).manual_seed(3))
+        mask2 = torch.cat([mask, torch.ones_like(ids2)], dim=1)
+        positions2 = positions[:, -1:] + 1 + torch.arange(turn, device=device)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        model(input_ids=ids2, attention_mask=mask2, position_ids=positions2, past_key_values=cache, logits_to_keep=1)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    lengths = mask.sum(-1).tolist()
+    return dict(method=method, batch=batch, prompt=prompt, turn=turn, first_turn_lengths=[min(lengths), max(lengths)],
+                distinct_lengths=len(set(lengths)), ms=seconds * 1e3, tokens_per_s=batch * turn / seconds,
+                peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None)
+
+
+def chunk_kernel_rows(batch: int, prompt: int, turn: int) -> list[dict]:
+    """One layer's chunk attention alone (Qwen3-8B attention shape, bf16, the turn's ragged lengths) with each
+    kernel of backend.chunk_attention: eager launches (do_bench), as a forward runs them."""
+    from .chunk_attention import chunk_attention, varlen_supported
+    _, mask = ragged_prompt(batch, prompt, 1000, "cpu")
+    past = mask.sum(-1).numpy()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    query = torch.randn(batch, 32, turn, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    keys, values = (torch.randn(batch, prompt + turn, 8, 128, device="cuda", dtype=torch.bfloat16,
+                                generator=gen).transpose(1, 2) for _ in range(2))
+    counts = np.full(batch, turn)
+    rows = []
+    for kernel in ("grouped", "varlen") if varlen_supported(query.device) else ("grouped",):
+        ms = triton.testing.do_bench(lambda: chunk_attention(query, keys, values, past, counts, 0.088, kernel),
+                                     warmup=10, rep=100, return_mode="median")
+        rows.append(dict(method=f"chunk-attention-{kernel}", batch=batch, prompt=prompt, turn=turn,
+                         distinct_lengths=len(set(past.tolist())), ms=ms, tokens_per_s=batch * turn / ms * 1e3,
+                         repeat=0))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_turn(args) -> dict:
+    """The next turn of a chat on a ragged batch: every sequence's cache holds a first turn of its own length, and
+    `--new-tokens` more prompt tokens go through the model in one forward (Kitty caches: KittyLayer._attend_chunk;
+    transformers' DynamicCache: its concatenated keys and SDPA with a mask)."""
+    model = build_model(args.quick)
+    prompt = args.prompt or (8192 if not args.quick else 300)
+    turn = args.new_tokens or (256 if not args.quick else 12)
+    batch = args.batch or (16 if not args.quick else 3)
+    methods = args.methods or ["hf-dynamic", "kitty-pro", "kitty"]
+    rows = []
+    for method in methods:
+        run_turn(model, method, 2, min(prompt, 300), turn)             # warm-up: kernel compilation stays out
+        for repeat in range(args.repeat):
+            row = dict(run_turn(model, method, batch, prompt, turn), repeat=repeat)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        rows += chunk_kernel_rows(batch, prompt, turn)
+    return {"kind": "turn", "model": "Qwen3-8B shape, random weights" if not args.quick else "tiny random",
+            "rows": rows, "env": environment()}
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -577,6 +679,12 @@ def write_figures(result: dict, out: Path) -> list[Path]:
                         x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")
+    elif result["kind"] == "turn":
+        fig.add_bar(x=[f"{r['method']} (run {r['repeat'] + 1})" for r in rows], y=[r["ms"] for r in rows])
+        r = rows[0]
+        fig.update_layout(title=f"A chat's next turn of {r['turn']} tokens on {r['batch']} sequences of "
+                                f"{r['first_turn_lengths'][0]}-{r['first_turn_lengths'][1]} tokens (lower is better)",
+                          yaxis_title="milliseconds per forward")
     else:
         fig.add_bar(x=[f"{r['method']} (B={r['batch']})" for r in rows], y=[r["tokens_per_s"] for r in rows])
         fig.update_layout(title=f"Generation under a {result['budget_gb']} GB budget: tokens/s at the largest batch",
@@ -601,7 +709,7 @@ def write_figures(result: dict, out: Path) -> list[Path]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=["attention", "generate", "tune", "compare", "plot"])
+    parser.add_argument("kind", choices=["attention", "generate", "tune", "compare", "turn", "plot"])
     parser.add_argument("results", nargs="?", help="for plot: a results JSON written by --out")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU friendly, under a minute")
     parser.add_argument("--out", type=Path, help="write results JSON here (and figures beside it)")
@@ -609,10 +717,11 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="*")
     parser.add_argument("--methods", nargs="*")
     parser.add_argument("--budget-gb", type=float, default=80.0)
-    parser.add_argument("--prompt", type=int)
-    parser.add_argument("--new-tokens", type=int)
-    parser.add_argument("--batch", type=int, help="generate: force this batch instead of the largest that fits")
-    parser.add_argument("--repeat", type=int, default=2, help="compare: how many comparisons to time")
+    parser.add_argument("--prompt", type=int, help="generate: prompt tokens; turn: the longest first turn")
+    parser.add_argument("--new-tokens", type=int, help="generate: tokens to generate; turn: the next turn's tokens")
+    parser.add_argument("--batch", type=int, help="generate: force this batch instead of the largest that fits; "
+                        "turn: the batch (default 16)")
+    parser.add_argument("--repeat", type=int, default=2, help="compare, turn: how many times to time")
     parser.add_argument("--vary", nargs="*", choices=TUNE_SWEEPS, default=list(TUNE_SWEEPS),
                         help="tune: which settings to sweep around the default (each compiled anew: a minute or two)")
     parser.add_argument("--flush-spread", type=int, default=1,
@@ -632,7 +741,7 @@ def main(argv=None) -> int:
             print(path)
         return 0
     result = {"attention": bench_attention, "generate": bench_generate, "tune": bench_tune,
-              "compare": bench_compare}[args.kind](args)
+              "compare": bench_compare, "turn": bench_turn}[args.kind](args)
     if result.get("copy_gbs"):
         print(f"device-to-device copy: {result['copy_gbs']:.0f} GB/s (read + write)")
     if args.out:

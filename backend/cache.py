@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -28,6 +27,7 @@ from kernels import dequantize, flush, quantize
 from kernels.decode_attention import DecodeWorkspace, decode_attention, decode_attention_ref
 from kernels.layout import FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_bytes, value_page_bytes
 
+from .chunk_attention import chunk_attention
 from .memory import FP_BYTES, TABLE_ENTRY_BYTES
 from .methods import CacheConfig
 from .pages import DeviceIndices, PagePool, PageTable
@@ -241,24 +241,13 @@ class KittyLayer(CacheLayerMixin):
         real tokens, the last of the chunk (left padding before them); None: all real. Returns (B, n, HQ, D), zeros in
         padding rows.
 
-        Keys and values are laid out [cached | real chunk tokens] per sequence, so attention is causal aligned to the
-        lower right and needs no mask tensor: on CUDA SDPA runs flash attention, never a (B, HQ, n, L) score tensor.
-        Sequences with the same cached length and real count go in one call; consecutive ones share it with no copy
-        (a batch of equal lengths, the usual case, is one call)."""
-        bsz, _, n, _ = query.shape
-        counts = np.full(bsz, n) if counts is None else np.asarray(counts)
+        Keys and values are laid out [cached | real chunk tokens] per sequence and attended in one call for the whole
+        ragged batch where torch's variable-length flash attention runs, else per run of equal lengths
+        (backend.chunk_attention)."""
+        counts = np.full(query.shape[0], query.shape[2]) if counts is None else np.asarray(counts)
         keys = self._dense("key", query.dtype, key, counts)
         values = self._dense("value", query.dtype, value, counts)
-        out = query.new_zeros((bsz, n, query.shape[1], query.shape[3]))
-        starts = np.flatnonzero((np.diff(self.lengths, prepend=-1) != 0) | (np.diff(counts, prepend=-1) != 0))
-        for b0, b1 in zip(starts, [*starts[1:], bsz]):
-            past, real = int(self.lengths[b0]), int(counts[b0])
-            if real:
-                attended = torch.nn.functional.scaled_dot_product_attention(
-                    query[b0:b1, :, n - real:], keys[b0:b1, :, :past + real], values[b0:b1, :, :past + real],
-                    attn_mask=causal_lower_right(real, past + real), scale=scaling, enable_gqa=True)
-                out[b0:b1, n - real:] = attended.transpose(1, 2)
-        return out
+        return chunk_attention(query, keys, values, self.lengths, counts, scaling)
 
     def _dense(self, kind: str, dtype: torch.dtype, chunk: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
         """Every sequence's keys or values in token order, then the last counts[b] tokens of `chunk` (B, H, n, D):

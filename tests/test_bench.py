@@ -49,6 +49,21 @@ def test_bench_quick_writes_results(tmp_path, kind, methods):
         assert "PNG skipped" in done.stderr and not out.with_suffix(".png").exists()
 
 
+def test_bench_turn_times_a_ragged_next_turn(tmp_path):
+    """`bench turn --quick`: a first turn of a different length per sequence, then the next turn for all of them,
+    timed per method; the Kitty rows went through the chunk path on the ragged cache."""
+    from backend import bench
+    out = tmp_path / "turn.json"
+    assert bench.main(["turn", "--quick", "--methods", "hf-dynamic", "kitty-pro", "--batch", "3", "--repeat", "1",
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["kind"] == "turn" and [r["method"] for r in result["rows"]] == ["hf-dynamic", "kitty-pro"]
+    for row in result["rows"]:
+        assert row["ms"] > 0 and row["tokens_per_s"] > 0 and row["turn"] == 12
+        assert row["distinct_lengths"] == 3 and row["first_turn_lengths"] == [200, 300]
+    assert out.with_suffix(".html").exists()
+
+
 def test_plot_writes_png_from_results_json(tmp_path):
     """`bench plot` on results JSON measured elsewhere (a GPU machine with no browser) draws the PNG here."""
     if not BROWSERS:

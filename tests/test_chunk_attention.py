@@ -1,0 +1,70 @@
+"""A chunk's attention over a ragged batch (backend.chunk_attention) against a per-sequence float64 reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backend.chunk_attention import chunk_attention, varlen_supported
+
+
+def reference(query, keys, values, past, counts, scaling) -> torch.Tensor:
+    """Each real query row of sequence b (the last counts[b] of the chunk) over keys 0 .. its own position."""
+    bsz, hq, n, d = query.shape
+    group = hq // keys.shape[1]
+    out = torch.zeros(bsz, n, hq, d, dtype=torch.float64)
+    for b in range(bsz):
+        real, cached = int(counts[b]), int(past[b])
+        for i in range(n - real, n):
+            position = cached + i - (n - real)                       # the token's place in its sequence
+            k = keys[b, :, :position + 1].double().repeat_interleave(group, 0)
+            v = values[b, :, :position + 1].double().repeat_interleave(group, 0)
+            p = torch.softmax((k @ query[b, :, i].double()[:, :, None])[..., 0] * scaling, dim=-1)
+            out[b, i] = (p[:, None, :] @ v)[:, 0]
+    return out
+
+
+def ragged(bsz, hq, h, d, n, past, counts, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = int(max(np.asarray(past) + np.asarray(counts))) + 3               # room past the longest, as _dense has
+    query = torch.randn(bsz, hq, n, d, generator=gen).to(device, dtype)
+    keys = torch.randn(bsz, width, h, d, generator=gen).to(device, dtype).transpose(1, 2)   # (B, W, H, D) storage
+    values = torch.randn(bsz, width, h, d, generator=gen).to(device, dtype).transpose(1, 2)
+    return query, keys, values
+
+
+SHAPES = [  # (query heads, KV heads, head_dim, chunk, cached lengths, real counts)
+    (4, 4, 64, 5, [7, 7, 3], [5, 5, 2]),              # GQA 1, two equal sequences share a call, a shorter one
+    (6, 2, 128, 4, [9, 0, 5, 5], [4, 3, 0, 1]),       # GQA 3, an empty cache, a sequence with no real token
+    (8, 2, 64, 3, [1, 11], [3, 3]),                   # GQA 4
+    (8, 1, 64, 6, [13, 4, 8], [2, 6, 5]),             # GQA 8, odd lengths
+]
+
+
+@pytest.mark.parametrize("hq,h,d,n,past,counts", SHAPES)
+def test_grouped_matches_the_reference_on_ragged_batches(hq, h, d, n, past, counts):
+    query, keys, values = ragged(len(past), hq, h, d, n, past, counts, torch.float32)
+    out = chunk_attention(query, keys, values, np.array(past), np.array(counts), 0.3, kernel="grouped")
+    torch.testing.assert_close(out.double(), reference(query, keys, values, past, counts, 0.3), atol=1e-5, rtol=1e-5)
+    padding = torch.arange(n)[None, :] < (n - torch.tensor(counts))[:, None]
+    assert out[padding].abs().max() == 0 if padding.any() else True
+
+
+def test_kernel_choice_is_checked():
+    query, keys, values = ragged(1, 2, 2, 64, 2, [3], [2], torch.float32)
+    with pytest.raises(ValueError, match="must be one of"):
+        chunk_attention(query, keys, values, [3], [2], 1.0, kernel="flash")
+    if not varlen_supported(query.device):
+        with pytest.raises(ValueError, match="kernel='grouped'"):
+            chunk_attention(query, keys, values, [3], [2], 1.0, kernel="varlen")
+
+
+@pytest.mark.skipif(not varlen_supported(torch.device("cuda")), reason="needs CUDA and torch's varlen_attn")
+@pytest.mark.parametrize("hq,h,d,n,past,counts", SHAPES)
+def test_varlen_matches_the_reference_on_the_gpu(hq, h, d, n, past, counts):
+    query, keys, values = ragged(len(past), hq, h, d, n, past, counts, torch.bfloat16, "cuda")
+    out = chunk_attention(query, keys, values, np.array(past), np.array(counts), 0.3, kernel="varlen")
+    expected = reference(query.cpu(), keys.cpu(), values.cpu(), past, counts, 0.3)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=2e-2, rtol=2e-2)
+    grouped = chunk_attention(query, keys, values, np.array(past), np.array(counts), 0.3, kernel="grouped")
+    torch.testing.assert_close(out, grouped, atol=1e-2, rtol=1e-2)
