@@ -525,9 +525,10 @@ def ragged_prompt(batch: int, prompt: int, vocab: int, device) -> tuple[torch.Te
     return ids, mask.long()
 
 
-def run_turn(model, method, batch, prompt, turn):
+def run_turn(model, method, batch, prompt, turn, profile=False):
     """A chat's next turn on a filled cache: a ragged, left-padded first turn of up to `prompt` tokens, then
-    `turn` new tokens for every sequence in one forward, the one timed. Returns the timed forward's row."""
+    `turn` new tokens for every sequence in one forward, the one timed. Returns the timed forward's row.
+    profile: run the timed forward under torch.profiler and print its 20 costliest operations (GPU time)."""
     device = model.device
     ids, mask = ragged_prompt(batch, prompt, model.config.vocab_size, device)
     cache = make_peer_cache(method, model, batch, prompt + turn)
@@ -541,11 +542,17 @@ def run_turn(model, method, batch, prompt, turn):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        profiler = torch.profiler.profile() if profile else contextlib.nullcontext()
         start = time.perf_counter()
-        model(input_ids=ids2, attention_mask=mask2, position_ids=positions2, past_key_values=cache, logits_to_keep=1)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        with profiler:
+            model(input_ids=ids2, attention_mask=mask2, position_ids=positions2, past_key_values=cache,
+                  logits_to_keep=1)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+    if profile:
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(f"{method}: the profiled turn\n" + profiler.key_averages().table(sort_by=sort, row_limit=20), flush=True)
     lengths = mask.sum(-1).tolist()
     return dict(method=method, batch=batch, prompt=prompt, turn=turn, first_turn_lengths=[min(lengths), max(lengths)],
                 distinct_lengths=len(set(lengths)), ms=seconds * 1e3, tokens_per_s=batch * turn / seconds,
@@ -587,9 +594,12 @@ def bench_turn(args) -> dict:
     for method in methods:
         run_turn(model, method, 2, min(prompt, 300), turn)             # warm-up: kernel compilation stays out
         for repeat in range(args.repeat):
+            # with --profile, one more forward under the profiler after the timed ones (its time is not a row)
             row = dict(run_turn(model, method, batch, prompt, turn), repeat=repeat)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if args.profile:
+            run_turn(model, method, batch, prompt, turn, profile=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if torch.cuda.is_available():
@@ -724,6 +734,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="compare, turn: how many times to time")
     parser.add_argument("--vary", nargs="*", choices=TUNE_SWEEPS, default=list(TUNE_SWEEPS),
                         help="tune: which settings to sweep around the default (each compiled anew: a minute or two)")
+    parser.add_argument("--profile", action="store_true",
+                        help="turn: profile one more forward per method (torch.profiler) and print its costliest "
+                             "operations")
     parser.add_argument("--flush-spread", type=int, default=1,
                         help="generate: quantize a batch's full buffers over this many steps (1: paper schedule)")
     parser.add_argument("--flush", choices=FLUSH_MODES, default="auto",
