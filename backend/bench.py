@@ -55,7 +55,7 @@ from kernels.decode_attention import (MAXNREG, DecodeWorkspace, decode_attention
                                       multiprocessors, resident_programs)
 
 from . import memory
-from .cache import DEQUANT_ELEMENTS, FLUSH_MODES, KittyLayer
+from .cache import FLUSH_MODES, KittyLayer
 from .graphs import CudaGraphDecoding
 from .methods import method_config
 
@@ -479,9 +479,7 @@ def bench_generate(args) -> dict:
             per_seq = (kv_bytes_per_sequence(method, model, prompt + new_tokens, args.flush_spread)
                        + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk) + ws_per_seq
                        + requantize_bytes_per_sequence(method, model, prompt + new_tokens))
-            # a Kitty chunk dequantizes its pages a bounded slice at a time, whatever the batch
-            fixed = ws_fixed + (DEQUANT_ELEMENTS * 2 if args.prefill_chunk and not method.startswith("hf-") else 0)
-            batch = max(1, int((budget - fixed) / per_seq)) if not args.batch else args.batch
+            batch = max(1, int((budget - ws_fixed) / per_seq)) if not args.batch else args.batch
         else:
             batch = args.batch or 2
         planned = batch
@@ -559,10 +557,10 @@ def run_turn(model, method, batch, prompt, turn, profile=False):
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None)
 
 
-def chunk_kernel_rows(batch: int, prompt: int, turn: int) -> list[dict]:
-    """One layer's chunk attention alone (Qwen3-8B attention shape, bf16, the turn's ragged lengths) with each
-    kernel of backend.chunk_attention: eager launches (do_bench), as a forward runs them."""
-    from .chunk_attention import chunk_attention, varlen_supported
+def chunk_attention_row(batch: int, prompt: int, turn: int) -> dict:
+    """One layer's chunk attention alone (backend.chunk_attention, Qwen3-8B attention shape, bf16, the turn's ragged
+    lengths): eager launches (do_bench), as a forward runs them."""
+    from .chunk_attention import chunk_attention
     _, mask = ragged_prompt(batch, prompt, 1000, "cpu")
     past = mask.sum(-1).numpy()
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -570,15 +568,12 @@ def chunk_kernel_rows(batch: int, prompt: int, turn: int) -> list[dict]:
     keys, values = (torch.randn(batch, prompt + turn, 8, 128, device="cuda", dtype=torch.bfloat16,
                                 generator=gen).transpose(1, 2) for _ in range(2))
     counts = np.full(batch, turn)
-    rows = []
-    for kernel in ("grouped", "varlen") if varlen_supported(query.device) else ("grouped",):
-        ms = triton.testing.do_bench(lambda: chunk_attention(query, keys, values, past, counts, 0.088, kernel),
-                                     warmup=10, rep=100, return_mode="median")
-        rows.append(dict(method=f"chunk-attention-{kernel}", batch=batch, prompt=prompt, turn=turn,
-                         distinct_lengths=len(set(past.tolist())), ms=ms, tokens_per_s=batch * turn / ms * 1e3,
-                         repeat=0))
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+    ms = triton.testing.do_bench(lambda: chunk_attention(query, keys, values, past, counts, 0.088), warmup=10,
+                                 rep=100, return_mode="median")
+    row = dict(method="chunk-attention (one layer)", batch=batch, prompt=prompt, turn=turn,
+               distinct_lengths=len(set(past.tolist())), ms=ms, tokens_per_s=batch * turn / ms * 1e3, repeat=0)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def bench_turn(args) -> dict:
@@ -603,7 +598,7 @@ def bench_turn(args) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if torch.cuda.is_available():
-        rows += chunk_kernel_rows(batch, prompt, turn)
+        rows.append(chunk_attention_row(batch, prompt, turn))
     return {"kind": "turn", "model": "Qwen3-8B shape, random weights" if not args.quick else "tiny random",
             "rows": rows, "env": environment()}
 

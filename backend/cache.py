@@ -35,8 +35,9 @@ from .pages import DeviceIndices, PagePool, PageTable
 # How a decode step's full buffers become pages (KittyLayer's `flush`)
 FLUSH_MODES = ("auto", "torch", "fused")
 
-# A further chunk dequantizes its cache's pages this many elements at a time (256 MB in bf16): the transient on
-# top of the dense keys / values it builds stays bounded whatever the batch and length
+# The PyTorch reference path of a further chunk dequantizes its cache's pages this many elements at a time (256 MB
+# in bf16), so its transient on top of the dense keys / values stays bounded (the Triton path has none: it writes
+# the pages straight into the dense tensor)
 DEQUANT_ELEMENTS = 2 ** 27
 
 
@@ -258,10 +259,14 @@ class KittyLayer(CacheLayerMixin):
         fp, table = (self.k_fp, self.key_table) if kind == "key" else (self.v_fp, self.value_table)
         width = int((self.lengths + counts).max())
         out = torch.zeros((self.batch, width, self.heads, self.head_dim), dtype=dtype, device=self.device)
+        # dequantized pages: straight into their rows (one launch); the reference a bounded slice at a time
         seqs, cols = np.nonzero(np.arange(table.ids.shape[1])[None, :] < table.counts[:, None])
-        step = max(1, DEQUANT_ELEMENTS // (self.heads * g * self.head_dim))
-        for i in range(0, len(seqs), step):                         # dequantized pages, a bounded slice at a time
-            self._write_pages(out, kind, dtype, seqs[i:i + step], cols[i:i + step])
+        pool = (self.key_pool if kind == "key" else self.value_pool).tensors
+        write = dequantize.dequantize_pages_into if self._triton() else dequantize.dequantize_pages_into_ref
+        step = max(1, len(seqs) if self._triton() else DEQUANT_ELEMENTS // (self.heads * g * self.head_dim))
+        for i in range(0, len(seqs), step):
+            rows_d, cols_d = self.to_device(seqs[i:i + step], cols[i:i + step])
+            write(out, kind, pool, table.ids[rows_d, cols_d], rows_d, s + cols_d * g)
         # full-precision part: token t < sink at t, else (after the pages) at sink + t - sink - pages * G
         t = torch.arange(width, device=self.device)[None, :]
         first = s + table.device_counts[:, None] * g                                 # first buffered token
@@ -275,24 +280,6 @@ class KittyLayer(CacheLayerMixin):
         rows_d, cols_d, where_d = self.to_device(rows, cols, self.lengths[rows] + cols - (n - counts)[rows])
         out[rows_d, where_d] = chunk[rows_d, :, cols_d].to(dtype)
         return out.transpose(1, 2)
-
-    def _write_pages(self, out: torch.Tensor, kind: str, dtype: torch.dtype, seqs: np.ndarray,
-                     cols: np.ndarray) -> None:
-        """Dequantize page cols[i] of sequence seqs[i] into its tokens' rows of out (B, L, H, D)."""
-        s, g = self.config.sink, self.config.page_size
-        rows_d, cols_d = self.to_device(seqs, cols)
-        table = self.key_table if kind == "key" else self.value_table
-        ids = table.ids[rows_d, cols_d].long()
-        if kind == "key":
-            pool = self.key_pool.tensors
-            dequant = dequantize.dequantize_keys if self._triton() else dequantize.dequantize_keys_ref
-            pages = dequant(*(pool[name][ids] for name in ("low", "high", "ch", "scale", "zero")), dtype)
-        else:
-            pool = self.value_pool.tensors
-            dequant = dequantize.dequantize_values if self._triton() else dequantize.dequantize_values_ref
-            pages = dequant(*(pool[name][ids] for name in ("low", "high", "scale", "zero")), dtype)
-        tokens = s + cols_d[:, None] * g + torch.arange(g, device=self.device)          # (pages, G)
-        out[rows_d[:, None], tokens] = pages.transpose(1, 2)
 
     # ------------------------------------------------------------------------------------------ graph replay
     def graphable(self) -> bool:

@@ -1,7 +1,8 @@
 """Dequantization of whole pages (the paper's Algorithm 1 for keys; per-token for values).
 
 The decode-attention kernel never calls these: it dequantizes in registers. They serve the paths that need
-full-precision pages: a further prompt chunk on a filled cache (batched on a GPU), analysis, and tests.
+full-precision pages: a further prompt chunk on a filled cache (pages written straight into each sequence's rows of
+a dense (B, L, H, D) tensor: `dequantize_pages_into`, one launch per kind on a GPU), analysis, and tests.
 """
 from __future__ import annotations
 
@@ -37,85 +38,107 @@ def dequantize_values_ref(low, high, scale, zero, dtype=torch.float16) -> torch.
     return v.to(dtype)
 
 
+KEY_PLANES = ("low", "high", "ch", "scale", "zero")
+VALUE_PLANES = ("low", "high", "scale", "zero")
+
+
+def dequantize_pages_into_ref(out: torch.Tensor, kind: str, pool: dict, ids: torch.Tensor, seqs: torch.Tensor,
+                              starts: torch.Tensor) -> None:
+    """out (B, L, H, D): for each i, page ids[i] of the pool's `kind` ("key" or "value") pages (all heads) written,
+    dequantized to out's dtype, into out[seqs[i], starts[i] : starts[i] + page_size]."""
+    ids = ids.long()
+    if kind == "key":
+        pages = dequantize_keys_ref(*(pool[name][ids] for name in KEY_PLANES), out.dtype)
+    else:
+        pages = dequantize_values_ref(*(pool[name][ids] for name in VALUE_PLANES), out.dtype)
+    tokens = starts.long()[:, None] + torch.arange(pages.shape[2], device=out.device)      # (pages, G)
+    out[seqs.long()[:, None], tokens] = pages.transpose(1, 2)
+
+
 # ---------------------------------------------------------------------------------------------- Triton
 @triton.jit
-def _dequantize_keys_kernel(low_ptr, high_ptr, ch_ptr, scale_ptr, zero_ptr, out_ptr,
-                            G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-                            BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+def _key_pages_into_kernel(low_ptr, high_ptr, ch_ptr, scale_ptr, zero_ptr, ids_ptr, seqs_ptr, starts_ptr, out_ptr,
+                           stride_b, stride_t, stride_h, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                           NB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Program (i, h): head h of key page ids[i] into out[seqs[i], starts[i] + token, h, :]."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(ids_ptr + i).to(tl.int64) * H + h                           # the pool's (page, head) row
+    b = tl.load(seqs_ptr + i).to(tl.int64)
+    t0 = tl.load(starts_ptr + i).to(tl.int64)
     G4: tl.constexpr = G // 4
     j = tl.arange(0, BLOCK_G4)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    boosted = d < 0
-    if NB > 0:
-        r = tl.arange(0, BLOCK_NB)
-        ch = tl.load(ch_ptr + pid * NB + r, mask=r < NB, other=BLOCK_D).to(tl.int32)
-        boosted = tl.max((ch[None, :] == d[:, None]).to(tl.int32), axis=1) > 0
     mask = (j < G4)[:, None] & dmask[None, :]
-    scale = tl.load(scale_ptr + pid * D + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    zero = tl.load(zero_ptr + pid * D + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    low = tl.load(low_ptr + pid * G4 * D + j[:, None] * D + d[None, :], mask=mask, other=0).to(tl.int32)
-    out = out_ptr + pid * G * D + j[:, None] * D + d[None, :]                  # + i*G4*D: token quarter i
-    keep = mask & ~boosted[None, :]                                            # boosted columns: written below
-    for i in tl.static_range(4):
-        k = ((low >> (2 * i)) & 3).to(tl.float32) * scale + zero
-        tl.store(out + i * G4 * D, k.to(out_ptr.dtype.element_ty), mask=keep)
+    low = tl.load(low_ptr + page * G4 * D + j[:, None] * D + d[None, :], mask=mask, other=0).to(tl.int32)
+    high = tl.zeros((BLOCK_G4, BLOCK_D), tl.int32)
     if NB > 0:
-        hmask = (j < G4)[:, None] & (r < NB)[None, :]
-        cols = j[:, None] * D + ch[None, :]
-        lo = tl.load(low_ptr + pid * G4 * D + cols, mask=hmask, other=0).to(tl.int32)
-        hi = tl.load(high_ptr + pid * G4 * NB + j[:, None] * NB + r[None, :], mask=hmask, other=0).to(tl.int32)
-        s = tl.load(scale_ptr + pid * D + ch, mask=r < NB, other=0.0).to(tl.float32)[None, :]
-        z = tl.load(zero_ptr + pid * D + ch, mask=r < NB, other=0.0).to(tl.float32)[None, :]
-        for i in tl.static_range(4):
-            code = ((lo >> (2 * i)) & 3) | (((hi >> (2 * i)) & 3) << 2)
-            tl.store(out_ptr + pid * G * D + i * G4 * D + cols, (code.to(tl.float32) * s + z).to(out_ptr.dtype.element_ty),
-                     mask=hmask)
+        # each channel's row in the high plane (boosted channels only), so both planes combine in one tile
+        r = tl.arange(0, BLOCK_NB)
+        ch = tl.load(ch_ptr + page * NB + r, mask=r < NB, other=BLOCK_D).to(tl.int32)   # padding matches no channel
+        hit = ch[None, :] == d[:, None]                                        # (channel, row)
+        row = tl.sum(tl.where(hit, r[None, :], 0), axis=1)
+        boosted = tl.sum(hit.to(tl.int32), axis=1) > 0
+        high = tl.load(high_ptr + page * G4 * NB + j[:, None] * NB + row[None, :],
+                       mask=(j < G4)[:, None] & boosted[None, :], other=0).to(tl.int32)
+    scale = tl.load(scale_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    zero = tl.load(zero_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + b * stride_b + (t0 + j[:, None]) * stride_t + h * stride_h + d[None, :]
+    for quarter in tl.static_range(4):                                         # tokens j + quarter * G4
+        code = ((low >> (2 * quarter)) & 3) | (((high >> (2 * quarter)) & 3) << 2)
+        tl.store(out + quarter * G4 * stride_t, (code.to(tl.float32) * scale + zero).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
-def _dequantize_values_kernel(low_ptr, high_ptr, scale_ptr, zero_ptr, out_ptr,
-                              G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                              BLOCK_G: tl.constexpr, BLOCK_D4: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+def _value_pages_into_kernel(low_ptr, high_ptr, scale_ptr, zero_ptr, ids_ptr, seqs_ptr, starts_ptr, out_ptr,
+                             stride_b, stride_t, stride_h, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                             BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D4: tl.constexpr):
+    """Program (i, h): head h of value page ids[i] into out[seqs[i], starts[i] + token, h, :]."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(ids_ptr + i).to(tl.int64) * H + h
+    b = tl.load(seqs_ptr + i).to(tl.int64)
+    t0 = tl.load(starts_ptr + i).to(tl.int64)
     D4: tl.constexpr = D // 4
     t = tl.arange(0, BLOCK_G)
     c = tl.arange(0, BLOCK_D4)
     tmask = t < G
     mask = tmask[:, None] & (c < D4)[None, :]
-    offs = pid * D4 * G + c[None, :] * G + t[:, None]
+    offs = page * D4 * G + c[None, :] * G + t[:, None]
     low = tl.load(low_ptr + offs, mask=mask, other=0).to(tl.int32)
     if BITS == 4:
         high = tl.load(high_ptr + offs, mask=mask, other=0).to(tl.int32)
-    scale = tl.load(scale_ptr + pid * G + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
-    zero = tl.load(zero_ptr + pid * G + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + pid * G * D + t[:, None] * D + c[None, :]                  # + i*D4: channel quarter i
-    for i in tl.static_range(4):
-        code = (low >> (2 * i)) & 3
+    scale = tl.load(scale_ptr + page * G + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
+    zero = tl.load(zero_ptr + page * G + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + b * stride_b + (t0 + t[:, None]) * stride_t + h * stride_h + c[None, :]
+    for quarter in tl.static_range(4):                                         # channels c + quarter * D4
+        code = (low >> (2 * quarter)) & 3
         if BITS == 4:
-            code = code | (((high >> (2 * i)) & 3) << 2)
-        tl.store(out + i * D4, (code.to(tl.float32) * scale + zero).to(out_ptr.dtype.element_ty), mask=mask)
+            code = code | (((high >> (2 * quarter)) & 3) << 2)
+        tl.store(out + quarter * D4, (code.to(tl.float32) * scale + zero).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def dequantize_keys(low, high, ch, scale, zero, dtype=torch.float16) -> torch.Tensor:
-    """Triton launch of dequantize_keys_ref."""
-    n, h, g4, d = low.shape
-    nb = ch.shape[-1]
-    out = torch.empty((n, h, 4 * g4, d), dtype=dtype, device=low.device)
-    if n * h:
-        _dequantize_keys_kernel[(n * h,)](low, high, ch, scale, zero, out, G=4 * g4, D=d, NB=nb,
-                                          BLOCK_D=triton.next_power_of_2(d), BLOCK_G4=triton.next_power_of_2(g4),
-                                          BLOCK_NB=triton.next_power_of_2(max(nb, 1)), num_warps=4)
-    return out
-
-
-def dequantize_values(low, high, scale, zero, dtype=torch.float16) -> torch.Tensor:
-    """Triton launch of dequantize_values_ref."""
-    n, h, d4, g = low.shape
-    out = torch.empty((n, h, g, 4 * d4), dtype=dtype, device=low.device)
-    if n * h:
-        _dequantize_values_kernel[(n * h,)](low, high, scale, zero, out, G=g, D=4 * d4,
-                                            BITS=4 if high.shape[2] else 2, BLOCK_G=triton.next_power_of_2(g),
-                                            BLOCK_D4=triton.next_power_of_2(d4), num_warps=4)
-    return out
+def dequantize_pages_into(out: torch.Tensor, kind: str, pool: dict, ids: torch.Tensor, seqs: torch.Tensor,
+                          starts: torch.Tensor) -> None:
+    """Triton launch of dequantize_pages_into_ref: one program per (page, head), no intermediate tensor."""
+    if out.stride(3) != 1:
+        raise ValueError("dequantize_pages_into needs out's channels contiguous")
+    n, heads = ids.numel(), out.shape[2]
+    if not n:
+        return
+    strides = (out.stride(0), out.stride(1), out.stride(2))
+    if kind == "key":
+        _, _, g4, d = pool["low"].shape
+        nb = pool["ch"].shape[-1]
+        _key_pages_into_kernel[(n, heads)](*(pool[name] for name in KEY_PLANES), ids, seqs, starts, out, *strides,
+                                           H=heads, G=4 * g4, D=d, NB=nb, BLOCK_D=triton.next_power_of_2(d),
+                                           BLOCK_G4=triton.next_power_of_2(g4),
+                                           BLOCK_NB=triton.next_power_of_2(max(nb, 1)), num_warps=4)
+    else:
+        _, _, d4, g = pool["low"].shape
+        _value_pages_into_kernel[(n, heads)](*(pool[name] for name in VALUE_PLANES), ids, seqs, starts, out,
+                                             *strides, H=heads, G=g, D=4 * d4,
+                                             BITS=4 if pool["high"].shape[2] else 2, BLOCK_G=triton.next_power_of_2(g),
+                                             BLOCK_D4=triton.next_power_of_2(d4), num_warps=4)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from backend.chunk_attention import chunk_attention, varlen_supported
+from backend.chunk_attention import chunk_attention
 
 
 def reference(query, keys, values, past, counts, scaling) -> torch.Tensor:
@@ -24,12 +24,12 @@ def reference(query, keys, values, past, counts, scaling) -> torch.Tensor:
     return out
 
 
-def ragged(bsz, hq, h, d, n, past, counts, dtype, device="cpu", seed=0):
+def ragged(bsz, hq, h, d, n, past, counts, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     width = int(max(np.asarray(past) + np.asarray(counts))) + 3               # room past the longest, as _dense has
-    query = torch.randn(bsz, hq, n, d, generator=gen).to(device, dtype)
-    keys = torch.randn(bsz, width, h, d, generator=gen).to(device, dtype).transpose(1, 2)   # (B, W, H, D) storage
-    values = torch.randn(bsz, width, h, d, generator=gen).to(device, dtype).transpose(1, 2)
+    query = torch.randn(bsz, hq, n, d, generator=gen).to(dtype)
+    keys = torch.randn(bsz, width, h, d, generator=gen).to(dtype).transpose(1, 2)   # (B, W, H, D) storage
+    values = torch.randn(bsz, width, h, d, generator=gen).to(dtype).transpose(1, 2)
     return query, keys, values
 
 
@@ -42,29 +42,9 @@ SHAPES = [  # (query heads, KV heads, head_dim, chunk, cached lengths, real coun
 
 
 @pytest.mark.parametrize("hq,h,d,n,past,counts", SHAPES)
-def test_grouped_matches_the_reference_on_ragged_batches(hq, h, d, n, past, counts):
+def test_chunk_attention_matches_the_reference_on_ragged_batches(hq, h, d, n, past, counts):
     query, keys, values = ragged(len(past), hq, h, d, n, past, counts, torch.float32)
-    out = chunk_attention(query, keys, values, np.array(past), np.array(counts), 0.3, kernel="grouped")
+    out = chunk_attention(query, keys, values, np.array(past), np.array(counts), 0.3)
     torch.testing.assert_close(out.double(), reference(query, keys, values, past, counts, 0.3), atol=1e-5, rtol=1e-5)
     padding = torch.arange(n)[None, :] < (n - torch.tensor(counts))[:, None]
-    assert out[padding].abs().max() == 0 if padding.any() else True
-
-
-def test_kernel_choice_is_checked():
-    query, keys, values = ragged(1, 2, 2, 64, 2, [3], [2], torch.float32)
-    with pytest.raises(ValueError, match="must be one of"):
-        chunk_attention(query, keys, values, [3], [2], 1.0, kernel="flash")
-    if not varlen_supported(query.device):
-        with pytest.raises(ValueError, match="kernel='grouped'"):
-            chunk_attention(query, keys, values, [3], [2], 1.0, kernel="varlen")
-
-
-@pytest.mark.skipif(not varlen_supported(torch.device("cuda")), reason="needs CUDA and torch's varlen_attn")
-@pytest.mark.parametrize("hq,h,d,n,past,counts", SHAPES)
-def test_varlen_matches_the_reference_on_the_gpu(hq, h, d, n, past, counts):
-    query, keys, values = ragged(len(past), hq, h, d, n, past, counts, torch.bfloat16, "cuda")
-    out = chunk_attention(query, keys, values, np.array(past), np.array(counts), 0.3, kernel="varlen")
-    expected = reference(query.cpu(), keys.cpu(), values.cpu(), past, counts, 0.3)
-    torch.testing.assert_close(out.cpu().double(), expected, atol=2e-2, rtol=2e-2)
-    grouped = chunk_attention(query, keys, values, np.array(past), np.array(counts), 0.3, kernel="grouped")
-    torch.testing.assert_close(out, grouped, atol=1e-2, rtol=1e-2)
+    assert not out[padding].any()                                       # padding rows are zeros

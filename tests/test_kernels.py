@@ -22,7 +22,8 @@ from backend.methods import method_config
 from kernels.decode_attention import (MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref, default_splits,
                                       field_weights, gather_kv, merge_blocks, merge_splits, remaining_blocks,
                                       unpack_asm)
-from kernels.dequantize import dequantize_keys, dequantize_keys_ref, dequantize_values, dequantize_values_ref
+from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
+                                dequantize_values_ref)
 from kernels.layout import boost_mask, pack_quarters, unpack_quarters
 from kernels.quantize import (channel_error, channel_error_ref, choose_boost, quantize_keys, quantize_keys_ref,
                               quantize_values, quantize_values_ref)
@@ -77,16 +78,31 @@ def test_quantize_values_bit_exact(g, d, bits, dtype):
         assert a.shape == b.shape and torch.equal(a, b), name
 
 
+def pages_into_both(kind: str, pool: dict, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pool pages written into two ragged sequences' rows by the Triton kernel and by the reference: pages out of
+    order, at odd starts, one sequence with two pages; (kernel's out, reference's out, the pages' token starts)."""
+    n, heads = pool["low"].shape[:2]
+    g = pool["scale"].shape[-1] if kind == "value" else 4 * pool["low"].shape[2]
+    d = pool["scale"].shape[-1] if kind == "key" else 4 * pool["low"].shape[2]
+    ids = torch.tensor([n - 1, 0, n - 2], dtype=torch.int32, device=DEVICE)
+    seqs = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([3, 1, 3 + g], dtype=torch.int32, device=DEVICE)
+    outs = [torch.zeros(2, 2 * g + 5, heads, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+    dequantize_pages_into(outs[0], kind, pool, ids, seqs, starts)
+    dequantize_pages_into_ref(outs[1], kind, pool, ids, seqs, starts)
+    return outs[0], outs[1], starts
+
+
 @pytest.mark.parametrize("d,nb", [(64, 8), (128, 32), (64, 0), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_dequantize_keys_matches_reference_and_input(d, nb, dtype):
-    x = random_keys(2, 2, 128, d, dtype, seed=d + nb)
+def test_dequantize_key_pages_into_matches_reference_and_input(d, nb, dtype):
+    x = random_keys(3, 2, 128, d, dtype, seed=d + nb)
     ch, _ = choose_boost(x, nb)
     low, high, scale, zero = quantize_keys_ref(x, ch, nb)
     ref = dequantize_keys_ref(low, high, ch, scale, zero, dtype)
-    out = dequantize_keys(low, high, ch, scale, zero, dtype)
-    assert out.shape == x.shape
-    assert rel_err(out, ref) < 1e-2 and (out.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()
+    out, want, starts = pages_into_both("key", dict(low=low, high=high, ch=ch, scale=scale, zero=zero), dtype)
+    assert rel_err(out, want) < 1e-2 and (out.float() - want.float()).abs().max() <= 2 ** -6 * want.float().abs().max()
+    assert torch.equal(want[1, 3:131], ref[2].transpose(0, 1)) and want[1, :3].eq(0).all()   # page 2 at its rows
     # Round trip: every element within half a step of its channel's grid (plus FP16 rounding of scale / zero)
     step = scale.float().unsqueeze(2)                                         # (N, H, 1, D)
     err = (ref.float() - x.float()).abs()
@@ -98,12 +114,12 @@ def test_dequantize_keys_matches_reference_and_input(d, nb, dtype):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_dequantize_values_matches_reference(d, bits):
-    x = random_keys(2, 2, 64, d, torch.float16, seed=bits + d)
+def test_dequantize_value_pages_into_matches_reference(d, bits):
+    x = random_keys(3, 2, 64, d, torch.float16, seed=bits + d)
     low, high, scale, zero = quantize_values_ref(x, bits)
     ref = dequantize_values_ref(low, high, scale, zero, torch.float16)
-    out = dequantize_values(low, high, scale, zero, torch.float16)
-    assert out.shape == x.shape and rel_err(out, ref) < 1e-3
+    out, want, _ = pages_into_both("value", dict(low=low, high=high, scale=scale, zero=zero), torch.float16)
+    assert rel_err(out, want) < 1e-3 and torch.equal(want[0, 1:65], ref[0].transpose(0, 1))
     assert ((ref.float() - x.float()).abs() <= scale.float().unsqueeze(-1) / 2 + 2e-3 * x.float().abs() + 1e-3).all()
 
 
