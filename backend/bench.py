@@ -94,8 +94,8 @@ def copy_bandwidth() -> float | None:
 # The files whose contents decide a measured figure: their git blob ids go with every result, because the device
 # machine receives a copy of the working tree without the session's commits (`git log --find-object=ID` here
 # names the commits that hold a file as measured).
-MEASURED_SOURCES = ("kernels/decode_attention.py", "kernels/quantize.py", "kernels/flush.py", "backend/cache.py",
-                    "backend/graphs.py", "backend/bench.py")
+MEASURED_SOURCES = ("kernels/decode_attention.py", "kernels/quantize.py", "kernels/flush.py", "kernels/dequantize.py",
+                    "backend/cache.py", "backend/chunk_attention.py", "backend/graphs.py", "backend/bench.py")
 
 
 def git_blob_id(path: Path) -> str:
