@@ -30,7 +30,7 @@ from kernels.layout import FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_
 from .chunk_attention import chunk_attention
 from .memory import FP_BYTES, TABLE_ENTRY_BYTES
 from .methods import CacheConfig
-from .pages import DeviceIndices, PagePool, PageTable
+from .pages import DeviceIndices, PagePool, PageTable, ragged_ranges
 
 # How a decode step's full buffers become pages (KittyLayer's `flush`)
 FLUSH_MODES = ("auto", "torch", "fused")
@@ -339,48 +339,69 @@ class KittyLayer(CacheLayerMixin):
 
     def _append(self, key: torch.Tensor, value: torch.Tensor, counts, queries=None) -> None:
         """Append the last counts[b] tokens of key/value (B, H, n, D) to each sequence, quantizing full buffers;
-        `queries`: what _observe_queries returned for this chunk."""
+        `queries`: what _observe_queries returned for this chunk. No loop over sequences: the index arithmetic runs
+        on the host, the moves are a few gathers and scatters for the whole batch."""
         cfg = self.config
         s, g = cfg.sink, cfg.page_size
-        self._grow_fp(int((self.lengths + np.asarray(counts)).max()))
-        key_pages, value_pages, key_ends = [], [], []               # (sequence, (H, G, D) tokens); chunk positions
-        for b, count in enumerate(int(c) for c in counts):
-            k, v = key[b, :, key.shape[2] - count:], value[b, :, value.shape[2] - count:]
-            length = int(self.lengths[b])
-            take = min(max(s - length, 0), count)                    # sink first
-            self.k_fp[b, :, length:length + take] = k[:, :take]
-            self.v_fp[b, :, length:length + take] = v[:, :take]
-            length += take
-            if take < count:
-                new_pages = self._extend_buffer(self.k_fp, b, length, self.key_table.counts[b], k[:, take:],
-                                                keep=0, bits=cfg.k_bits)
-                # chunk position of each new page's last token (sequence position s + (page + 1) * G - 1)
-                first = key.shape[2] - count - int(self.lengths[b]) + s + int(self.key_table.counts[b]) * g
-                key_ends += [first + (p + 1) * g - 1 for p in range(len(new_pages))]
-                key_pages += new_pages
-                value_pages += self._extend_buffer(self.v_fp, b, length, self.value_table.counts[b], v[:, take:],
-                                                   keep=cfg.local_window, bits=cfg.v_bits)
-            self.lengths[b] += count
-        self.seq_len.copy_(torch.from_numpy(self.lengths))
-        rows = lambda pages: np.array([b for b, _ in pages], dtype=np.int64)
-        stack = lambda pages: torch.stack([t for _, t in pages]) if pages else None
+        counts = np.asarray(counts, dtype=np.int64)
+        lengths = self.lengths.copy()
+        self._grow_fp(int((lengths + counts).max()))
+        first = key.shape[2] - counts                               # chunk position of each sequence's first token
+        take = np.clip(s - lengths, 0, counts)                      # the sink fills first
+        if take.any():
+            rows, offsets = ragged_ranges(take)
+            rows_d, src_d, dst_d = self.to_device(rows, first[rows] + offsets, lengths[rows] + offsets)
+            self.k_fp[rows_d, :, dst_d] = key[rows_d, :, src_d].to(self.k_fp.dtype)
+            self.v_fp[rows_d, :, dst_d] = value[rows_d, :, src_d].to(self.v_fp.dtype)
+        key_rows, key_index, key_x = self._extend_buffers(self.k_fp, key, lengths + take, self.key_table.counts,
+                                                          first + take, counts - take, keep=0, bits=cfg.k_bits)
+        value_rows, _, value_x = self._extend_buffers(self.v_fp, value, lengths + take, self.value_table.counts,
+                                                      first + take, counts - take, keep=cfg.local_window,
+                                                      bits=cfg.v_bits)
         energy = None
         if queries is not None:
             before, running = queries
-            ends = torch.as_tensor(key_ends, dtype=torch.long, device=self.device)
+            # chunk position of each new key page's last token (sequence position s + (page + 1) * G - 1)
+            pages = self.key_table.counts[key_rows].astype(np.int64) + key_index
+            ends = torch.as_tensor(first[key_rows] - lengths[key_rows] + s + (pages + 1) * g - 1, dtype=torch.long,
+                                   device=self.device)
             energy = lambda rows_d: before[rows_d] + running[rows_d, :, ends]
-        self._store_pages(rows(key_pages), rows(value_pages), lambda _: stack(key_pages), lambda _: stack(value_pages),
-                          energy)
+        self.lengths += counts
+        self.seq_len.copy_(torch.from_numpy(self.lengths))
+        self._store_pages(key_rows, value_rows, lambda _: key_x, lambda _: value_x, energy)
 
-    def _extend_buffer(self, buf, b, length, pages, tokens, keep, bits) -> list[tuple[int, torch.Tensor]]:
-        """Put `tokens` after sequence b's buffer content; cut every G tokens beyond `keep` off as pages."""
+    def _extend_buffers(self, buf, chunk, lengths, pages, starts, counts, keep, bits):
+        """Put counts[b] tokens of chunk (B, H, n, D), from chunk position starts[b] on, after the content of
+        sequence b's buffer (it holds lengths[b] tokens, pages[b] of them in pages); cut every G tokens beyond
+        `keep` off as pages. Returns the new pages' sequences (in order), each page's index among its sequence's
+        new pages and their tokens (N, H, G, D), or None for no page."""
         s, g = self.config.sink, self.config.page_size
-        filled = length - s - int(pages) * g
-        content = torch.cat([buf[b, :, s:s + filled], tokens.to(buf.dtype)], dim=1)   # pages from 16-bit tokens
-        n_pages = max(0, content.shape[1] - keep) // g if bits < 16 else 0
-        rest = content[:, n_pages * g:]
-        buf[b, :, s:s + rest.shape[1]] = rest
-        return [(b, content[:, p * g:(p + 1) * g]) for p in range(n_pages)]
+        counts = np.asarray(counts, dtype=np.int64)
+        some = counts > 0                                           # others keep their buffer as it is
+        filled = np.where(some, lengths - s - pages.astype(np.int64) * g, 0)
+        total = filled + counts
+        n_pages = np.where(some, np.maximum(total - keep, 0) // g, 0) if bits < 16 else np.zeros_like(total)
+        if not some.any():
+            return n_pages[:0], n_pages[:0], None
+        # [buffer content | new tokens] of every sequence, then the pages and what stays cut from it
+        content = buf.new_empty((buf.shape[0], buf.shape[1], int(total.max()), buf.shape[3]))
+        old_rows, old = ragged_ranges(filled)
+        new_rows, new = ragged_ranges(counts)
+        page_rows, page_index = ragged_ranges(n_pages)
+        kept = total - n_pages * g
+        kept_rows, kept_at = ragged_ranges(kept)
+        (old_rows, old, new_rows, new_src, new_dst, page_rows_d, page_first, kept_rows,
+         kept_src, kept_at) = self.to_device(old_rows, old, new_rows, starts[new_rows] + new, filled[new_rows] + new,
+                                             page_rows, page_index * g, kept_rows, (n_pages * g)[kept_rows] + kept_at,
+                                             kept_at)
+        content[old_rows, :, old] = buf[old_rows, :, s + old]
+        content[new_rows, :, new_dst] = chunk[new_rows, :, new_src].to(buf.dtype)
+        tokens = None
+        if len(page_rows):
+            window = page_first[:, None] + torch.arange(g, device=buf.device)            # (N, G)
+            tokens = content[page_rows_d[:, None], :, window].transpose(1, 2).contiguous()  # (N, H, G, D)
+        buf[kept_rows, :, s + kept_at] = content[kept_rows, :, kept_src]
+        return page_rows, page_index, tokens
 
     def _quantize_full_buffers(self) -> None:
         """After a decode step's attention: a key Q-buffer of G tokens, or a value tail of R + G, becomes a page

@@ -173,3 +173,10 @@ def occurrence_rank(values: np.ndarray) -> np.ndarray:
     out = np.empty_like(rank)
     out[order] = rank
     return out
+
+
+def ragged_ranges(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, offsets) of sizes[b] consecutive items per row b: [2, 0, 3] -> ([0, 0, 2, 2, 2], [0, 1, 0, 1, 2])."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    rows = np.repeat(np.arange(len(sizes)), sizes)
+    return rows, np.arange(len(rows)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
