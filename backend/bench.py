@@ -589,11 +589,10 @@ def bench_turn(args) -> dict:
     for method in methods:
         run_turn(model, method, 2, min(prompt, 300), turn)             # warm-up: kernel compilation stays out
         for repeat in range(args.repeat):
-            # with --profile, one more forward under the profiler after the timed ones (its time is not a row)
             row = dict(run_turn(model, method, batch, prompt, turn), repeat=repeat)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        if args.profile:
+        if args.profile:                  # one more forward, under the profiler (its time is not a row)
             run_turn(model, method, batch, prompt, turn, profile=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
