@@ -222,7 +222,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "pdl")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "pdl", "pairs")
 
 
 def bench_tune(args) -> dict:
@@ -247,20 +247,23 @@ def bench_tune(args) -> dict:
             chosen = default_splits(batch, h, pages, sm_count)
             # the split count around the default (1 warp, 3 stages, register cap MAXNREG), then at the default split
             # other register caps (a cap buys resident programs with spills), pipeline depths and two warps per
-            # program (each a half of every page: no spills at 128 registers, a third more instructions in all), and the
-            # merge launched while the split kernel runs (programmatic dependent launch)
+            # program (each a half of every page: no spills at 128 registers, a third more instructions in all), the
+            # merge launched while the split kernel runs (programmatic dependent launch), and paged slots two at a
+            # time (at the cap, and with the compiler's registers: a latency-bound launch has few programs anyway)
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, pdl=False)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, pdl=False, pairs=False)
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
                       "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
                       "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
-                      "pdl": [{**base, "pdl": True}]}
+                      "pdl": [{**base, "pdl": True}],
+                      "pairs": [{**base, "pairs": True, "maxnreg": r} for r in (MAXNREG, 255)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
-                                               maxnreg=setting["maxnreg"], pdl=setting["pdl"])
+                                               maxnreg=setting["maxnreg"], pdl=setting["pdl"],
+                                               pairs=setting["pairs"])
                 seconds = median_seconds(run, args.quick)
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
@@ -674,12 +677,13 @@ def write_figures(result: dict, out: Path) -> list[Path]:
                           yaxis_title="seconds", barmode="group")
     elif result["kind"] == "tune":
         def setting_of(r):                   # one bar series per setting but the split count (the x axis)
-            return r["warps"], r["stages"], r["maxnreg"], r.get("pdl", False)
+            return r["warps"], r["stages"], r["maxnreg"], r.get("pdl", False), r.get("pairs", False)
 
         for setting in dict.fromkeys(map(setting_of, rows)):
             sel = [r for r in rows if setting_of(r) == setting]
             fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}"
-                             + (", early merge launch (pdl)" if setting[3] else ""),
+                             + (", early merge launch (pdl)" if setting[3] else "")
+                             + (", two pages a step" if setting[4] else ""),
                         x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")

@@ -368,6 +368,25 @@ def _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vh
     return acc0, acc1, acc2, acc3, zacc, pacc
 
 
+@triton.jit
+def _paged_values(s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vtab_ptr, b, VMP, slot,
+                  H: tl.constexpr, h, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, G: tl.constexpr,
+                  D4: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
+                  OFFSET: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
+    """The rest of a paged slot once its key page's scores are known: the online softmax, the running output
+    rescaled, and the slot's value page accumulated. Returns the new max, sum and accumulators."""
+    G4: tl.constexpr = G // 4
+    vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
+    p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4, BLOCK_G4 != G4)
+    alpha_row = alpha[None, :]
+    acc0, acc1, acc2, acc3 = acc0 * alpha_row, acc1 * alpha_row, acc2 * alpha_row, acc3 * alpha_row
+    zacc, pacc = zacc * alpha, pacc * alpha
+    acc0, acc1, acc2, acc3, zacc, pacc = _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr,
+                                                     vhigh_ptr, vscale_ptr, vzero_ptr, vpage, G, D4, V_BITS, DOT,
+                                                     PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+    return m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc
+
+
 # Sizes that grow during generation are not specialized on (Triton would compile a new variant whenever one
 # becomes a multiple of 16, stalling a decode step for a second or more).
 @triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT", "NPART"])
@@ -381,7 +400,7 @@ def _decode_split_kernel(
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
-        BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
+        BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False, PAIRS: tl.constexpr = False):
     if PDL:                       # the merge may launch now: its programs wait for this grid's writes (gdc_wait)
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -406,20 +425,38 @@ def _decode_split_kernel(
     acc2 = tl.zeros((BLOCK_D4, BLOCK_M), tl.float32)
     acc3 = tl.zeros((BLOCK_D4, BLOCK_M), tl.float32)
 
-    for slot in range(start, end):                      # both pages quantized: no branch in the loop body
+    # both pages of a paged slot are quantized: no branch in the loop bodies
+    if PAIRS:
+        # two slots a step: the second page's scores do not wait for the first page's softmax and values, so the
+        # compiler can interleave two independent chains (for latency-bound launches: batch 1)
+        for slot in range(start, end - 1, 2):
+            kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
+            kpage2 = tl.load(ktab_ptr + b * KMP + slot + 1).to(tl.int64) * H + h
+            s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+                                              kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
+                                              BLOCK_G4, BLOCK_NB)
+            t0, t1, t2, t3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+                                              kzero_ptr, kpage2, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
+                                              BLOCK_G4, BLOCK_NB)
+            m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc = _paged_values(
+                s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vtab_ptr, b, VMP, slot, H, h,
+                vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4,
+                BLOCK_D4)
+            m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc = _paged_values(
+                t0, t1, t2, t3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vtab_ptr, b, VMP, slot + 1, H, h,
+                vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4,
+                BLOCK_D4)
+        single = end - (end - start) % 2                 # the odd slot left, if any
+    else:
+        single = start
+    for slot in range(single, end):
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
-        vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
         s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
                                           kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M, BLOCK_G4,
                                           BLOCK_NB)
-        p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4,
-                                                          BLOCK_G4 != G4)
-        alpha_row = alpha[None, :]
-        acc0, acc1, acc2, acc3 = acc0 * alpha_row, acc1 * alpha_row, acc2 * alpha_row, acc3 * alpha_row
-        zacc, pacc = zacc * alpha, pacc * alpha
-        acc0, acc1, acc2, acc3, zacc, pacc = _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc,
-                                                         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, vpage, G, D4,
-                                                         V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+        m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc = _paged_values(
+            s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vtab_ptr, b, VMP, slot, H, h, vlow_ptr,
+            vhigh_ptr, vscale_ptr, vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
 
     for blk in range(rest, tl.minimum(rest + 1, n_rest)):   # at most one remaining block per program
         in_sink = blk < n_sink_blocks
@@ -619,14 +656,17 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int = MAXNREG, pdl: bool = False) -> torch.Tensor:
+                     maxnreg: int = MAXNREG, pdl: bool = False, pairs: bool = False) -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
     (defaults tuned on the H200; maxnreg 255 leaves it to the compiler). With a workspace, its buffers are reused
     (see DecodeWorkspace); without, they are allocated per call. pdl: launch the merge with programmatic dependent
-    launch (Hopper and later; ignored elsewhere), so that its launch overlaps the split kernel's work (an experiment:
-    not yet measured, `python -m backend.bench tune --vary pdl`)."""
+    launch (Hopper and later; ignored elsewhere), so that its launch overlaps the split kernel's work (measured:
+    -0.4 us at batch 1, +2.2 us at batch 8 / 4K, nothing at batch 64; BENCHMARKS.md section 1, session 8).
+    pairs: each program takes its paged slots two at a time, the second key page's scores ahead of the first
+    page's softmax and values (an experiment for latency-bound launches, not yet measured: `python -m backend.bench
+    tune --vary pairs`)."""
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     if num_splits is None:
@@ -639,7 +679,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     pdl = pdl and pdl_supported(q.device)
-    _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options, **({"PDL": True} if pdl else {}))
+    _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options, **({"PDL": True} if pdl else {}),
+                                              **({"PAIRS": True} if pairs else {}))
     return merge_splits(part_o, part_m, part_l, out, pdl=pdl)
 
 

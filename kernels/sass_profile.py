@@ -50,7 +50,7 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None, pdl: bool = False):
+                         maxnreg: int | None = None, pdl: bool = False, pairs: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -64,6 +64,7 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
              torch.zeros(1, heads * group, n))
     args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
     constants["PDL"] = pdl
+    constants["PAIRS"] = pairs
     names = _decode_split_kernel.arg_names
     signature, attrs = {}, {}
     for i, (name, value) in enumerate(zip(names, args)):
@@ -128,6 +129,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (Hopper: 90)")
     parser.add_argument("--warps", type=int, default=1, help="warps per program (decode_attention's num_warps)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
+    parser.add_argument("--pairs", action="store_true",
+                        help="paged slots two at a time (decode_attention's pairs): the loop counts are then per two pages")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
     args = parser.parse_args(argv)
@@ -138,7 +141,7 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         row = profile(compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
-                                               num_stages=args.stages, maxnreg=args.maxnreg))
+                                               num_stages=args.stages, maxnreg=args.maxnreg, pairs=args.pairs))
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return 0
 

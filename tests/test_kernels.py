@@ -225,10 +225,11 @@ def test_decode_attention_matches_reference(case):
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-    for splits in (1, 3, None):
-        out = decode_attention(q, kv, d ** -0.5, num_splits=splits)
+    # pairs: paged slots two at a time, with an odd slot left over or not depending on the program
+    for splits, pairs in ((1, False), (3, False), (None, False), (1, True), (3, True)):
+        out = decode_attention(q, kv, d ** -0.5, num_splits=splits, pairs=pairs)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
-        assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
+        assert rel_err(out, ref) < tol, f"splits={splits}, pairs={pairs}: {rel_err(out, ref):.2e}"
 
 
 def test_default_splits_are_the_h200_sweeps_best():
