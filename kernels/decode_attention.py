@@ -369,14 +369,13 @@ def _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vh
 
 
 @triton.jit
-def _paged_values(s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vtab_ptr, b, VMP, slot,
-                  H: tl.constexpr, h, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, G: tl.constexpr,
+def _paged_values(s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vpage, vlow_ptr, vhigh_ptr,
+                  vscale_ptr, vzero_ptr, G: tl.constexpr,
                   D4: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
                   OFFSET: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
     """The rest of a paged slot once its key page's scores are known: the online softmax, the running output
-    rescaled, and the slot's value page accumulated. Returns the new max, sum and accumulators."""
+    rescaled, and the slot's value page `vpage` accumulated. Returns the new max, sum and accumulators."""
     G4: tl.constexpr = G // 4
-    vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
     p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4, BLOCK_G4 != G4)
     alpha_row = alpha[None, :]
     acc0, acc1, acc2, acc3 = acc0 * alpha_row, acc1 * alpha_row, acc2 * alpha_row, acc3 * alpha_row
@@ -431,7 +430,9 @@ def _decode_split_kernel(
         # compiler can interleave two independent chains (for latency-bound launches: batch 1)
         for slot in range(start, end - 1, 2):
             kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
+            vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
             kpage2 = tl.load(ktab_ptr + b * KMP + slot + 1).to(tl.int64) * H + h
+            vpage2 = tl.load(vtab_ptr + b * VMP + slot + 1).to(tl.int64) * H + h
             s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
                                               kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
                                               BLOCK_G4, BLOCK_NB)
@@ -439,24 +440,23 @@ def _decode_split_kernel(
                                               kzero_ptr, kpage2, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
                                               BLOCK_G4, BLOCK_NB)
             m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc = _paged_values(
-                s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vtab_ptr, b, VMP, slot, H, h,
-                vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4,
-                BLOCK_D4)
+                s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vpage, vlow_ptr, vhigh_ptr, vscale_ptr,
+                vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
             m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc = _paged_values(
-                t0, t1, t2, t3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vtab_ptr, b, VMP, slot + 1, H, h,
-                vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4,
-                BLOCK_D4)
+                t0, t1, t2, t3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vpage2, vlow_ptr, vhigh_ptr,
+                vscale_ptr, vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
         single = end - (end - start) % 2                 # the odd slot left, if any
     else:
         single = start
     for slot in range(single, end):
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
+        vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
         s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
                                           kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M, BLOCK_G4,
                                           BLOCK_NB)
         m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc = _paged_values(
-            s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vtab_ptr, b, VMP, slot, H, h, vlow_ptr,
-            vhigh_ptr, vscale_ptr, vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
+            s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vpage, vlow_ptr, vhigh_ptr, vscale_ptr,
+            vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
 
     for blk in range(rest, tl.minimum(rest + 1, n_rest)):   # at most one remaining block per program
         in_sink = blk < n_sink_blocks
