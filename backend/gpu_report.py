@@ -1,10 +1,10 @@
 """Everything a GPU run must say, in one command: the kernel and cache tests compiled on the GPU, the decode
-attention table, the launch-setting sweep, a generation table, and (when a checkout of an earlier commit is
-given) the earlier kernel's attention table measured in the same run.
+attention table, the launch-setting sweep, a generation table, a chat's next turn on a ragged batch, and (when a
+checkout of an earlier commit is given) the earlier kernel's attention table measured in the same run.
 
-    python -m backend.gpu_report --out DIR [--steps tests attention tune generate] [--baseline PATH]
+    python -m backend.gpu_report --out DIR [--steps tests attention tune generate turn] [--baseline PATH]
                                  [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...] [--tune ARGS]
-                                 [--pytest "tests/test_graphs.py -k graphed"]
+                                 [--turn ARGS] [--pytest "tests/test_graphs.py -k graphed"]
 
 Each step is its own process with a share of the time budget; its output goes to DIR/log.txt and its results to
 DIR/<step>.json (few files: the device tool brings back at most 8); each --generate argument list is one
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-STEPS = ("tests", "attention", "tune", "baseline", "generate")
+STEPS = ("tests", "attention", "tune", "baseline", "generate", "turn")
 
 
 def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None]]]:
@@ -36,6 +36,7 @@ def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None
                        "--out", str(out / "baseline.json")], args.baseline)],
         "generate": [([py, "-m", "backend.bench", "generate", *shlex.split(extra),
                        "--out", str(out / f"generate{k}.json")], None) for k, extra in enumerate(args.generate)],
+        "turn": [([py, "-m", "backend.bench", "turn", *shlex.split(args.turn), "--out", str(out / "turn.json")], None)],
     }
 
 
@@ -58,6 +59,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tune", default="", metavar="ARGS",
                         help="arguments of the `bench tune` step (e.g. \"--vary pdl warps --batches 1 8\"; default: "
                              "every sweep at every shape)")
+    parser.add_argument("--turn", default="", metavar="ARGS",
+                        help="arguments of the `bench turn` step (default: 16 sequences of 4,352-8,192 tokens, a turn "
+                             "of 256)")
     parser.add_argument("--pytest", default="tests/test_kernels.py tests/test_cache.py tests/test_graphs.py "
                         "tests/test_flush.py",
                         help="what the tests step runs: pytest arguments (files, -k EXPR)")

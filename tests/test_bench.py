@@ -210,9 +210,11 @@ def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
     """The one command a device call runs: each generate table and the tune sweep get the arguments given for them."""
     from backend.gpu_report import main, step_commands
     parser_args = type("Args", (), dict(pytest="tests/test_kernels.py -k pdl", tune="--vary pdl --batches 1",
-                                        generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline=None))
+                                        generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline=None,
+                                        turn="--batch 4"))
     steps = step_commands(parser_args, tmp_path)
     assert steps["tune"][0][0][-6:] == ["--vary", "pdl", "--batches", "1", "--out", str(tmp_path / "tune.json")]
+    assert steps["turn"][0][0][-5:] == ["turn", "--batch", "4", "--out", str(tmp_path / "turn.json")]
     generate = [cmd[-5:-2] for cmd, _ in steps["generate"]]
     assert generate == [["64", "--methods", "kitty"], ["generate", "--prompt", "32"]]
     assert steps["tests"][0][0][-3:] == ["tests/test_kernels.py", "-k", "pdl"]
