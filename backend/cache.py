@@ -242,9 +242,8 @@ class KittyLayer(CacheLayerMixin):
         real tokens, the last of the chunk (left padding before them); None: all real. Returns (B, n, HQ, D), zeros in
         padding rows.
 
-        Keys and values are laid out [cached | real chunk tokens] per sequence and attended in one call for the whole
-        ragged batch where torch's variable-length flash attention runs, else per run of equal lengths
-        (backend.chunk_attention)."""
+        Keys and values are laid out [cached | real chunk tokens] per sequence, attended with lower-right causal SDPA
+        once per run of equal lengths (backend.chunk_attention)."""
         counts = np.full(query.shape[0], query.shape[2]) if counts is None else np.asarray(counts)
         keys = self._dense("key", query.dtype, key, counts)
         values = self._dense("value", query.dtype, value, counts)
@@ -390,17 +389,16 @@ class KittyLayer(CacheLayerMixin):
         page_rows, page_index = ragged_ranges(n_pages)
         kept = total - n_pages * g
         kept_rows, kept_at = ragged_ranges(kept)
-        (old_rows, old, new_rows, new_src, new_dst, page_rows_d, page_first, kept_rows,
-         kept_src, kept_at) = self.to_device(old_rows, old, new_rows, starts[new_rows] + new, filled[new_rows] + new,
-                                             page_rows, page_index * g, kept_rows, (n_pages * g)[kept_rows] + kept_at,
-                                             kept_at)
-        content[old_rows, :, old] = buf[old_rows, :, s + old]
-        content[new_rows, :, new_dst] = chunk[new_rows, :, new_src].to(buf.dtype)
+        (old_rows_d, old_d, new_rows_d, new_src_d, new_dst_d, page_rows_d, page_first_d, kept_rows_d, kept_src_d,
+         kept_at_d) = self.to_device(old_rows, old, new_rows, starts[new_rows] + new, filled[new_rows] + new, page_rows,
+                                     page_index * g, kept_rows, (n_pages * g)[kept_rows] + kept_at, kept_at)
+        content[old_rows_d, :, old_d] = buf[old_rows_d, :, s + old_d]
+        content[new_rows_d, :, new_dst_d] = chunk[new_rows_d, :, new_src_d].to(buf.dtype)
         tokens = None
         if len(page_rows):
-            window = page_first[:, None] + torch.arange(g, device=buf.device)            # (N, G)
+            window = page_first_d[:, None] + torch.arange(g, device=buf.device)          # (N, G)
             tokens = content[page_rows_d[:, None], :, window].transpose(1, 2).contiguous()  # (N, H, G, D)
-        buf[kept_rows, :, s + kept_at] = content[kept_rows, :, kept_src]
+        buf[kept_rows_d, :, s + kept_at_d] = content[kept_rows_d, :, kept_src_d]
         return page_rows, page_index, tokens
 
     def _quantize_full_buffers(self) -> None:

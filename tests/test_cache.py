@@ -18,7 +18,7 @@ import backend.cache
 import kernels.decode_attention
 from backend import make_cache, memory, method_config
 from backend.cache import KittyLayer
-from backend.pages import DeviceIndices, PagePool, occurrence_rank
+from backend.pages import DeviceIndices, PagePool, occurrence_rank, ragged_ranges
 from kernels.dequantize import dequantize_keys_ref
 from kernels.layout import boost_mask
 from kernels.quantize import choose_boost, quantize_keys_ref, quantize_values_ref
@@ -261,6 +261,9 @@ def test_page_pool_hands_out_ids_in_order_and_ranks_repeated_rows():
     assert occurrence_rank(np.array([2, 2, 5])).tolist() == [0, 1, 0]
     assert occurrence_rank(np.array([0, 4, 7])).tolist() == [0, 0, 0]
     assert occurrence_rank(np.array([], dtype=np.int64)).tolist() == []
+    rows, offsets = ragged_ranges(np.array([2, 0, 3]))                 # _append's per-sequence token ranges
+    assert rows.tolist() == [0, 0, 2, 2, 2] and offsets.tolist() == [0, 1, 0, 1, 2]
+    assert [a.tolist() for a in ragged_ranges(np.array([0, 0]))] == [[], []]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
