@@ -51,8 +51,8 @@ import triton
 import triton.testing
 
 # on a CPU: Triton interpreted
-from kernels.decode_attention import (MAXNREG, DecodeWorkspace, decode_attention, default_splits, merge_splits,
-                                      multiprocessors, resident_programs)
+from kernels.decode_attention import (KERNELS, MAXNREG, DecodeWorkspace, decode_attention, default_splits,
+                                      merge_splits, multiprocessors, resident_programs)
 
 from . import memory
 from .cache import FLUSH_MODES, KittyLayer
@@ -195,15 +195,18 @@ def bench_attention(args) -> dict:
             for method in methods:
                 layer = filled_layer(method, k, v)
                 kv = layer.paged()
-                out = decode_attention(q, kv, sm_scale)
-                err = (out.float() - reference).abs().max().item()     # vs exact FP16 attention: quantization error
-                seconds = median_seconds(lambda: decode_attention(q, kv, sm_scale), args.quick)
-                # the merge of the split programs' partials alone, on the buffers of the call just made
-                workspace = DecodeWorkspace()
-                decode_attention(q, kv, sm_scale, workspace=workspace)
-                merge_s = median_seconds(lambda: merge_splits(*workspace.buffers), args.quick)
-                rows.append(dict(batch=batch, tokens=length, method=method, us=seconds * 1e6, merge_us=merge_s * 1e6,
-                                 gbs=bytes_read(layer) / seconds / 1e9, vs_sdpa=sdpa_s / seconds, max_err=err))
+                for kernel in args.kernels:
+                    run = lambda: decode_attention(q, kv, sm_scale, kernel=kernel)  # noqa: E731
+                    err = (run().float() - reference).abs().max().item()  # vs exact FP16 attention: quantization error
+                    seconds = median_seconds(run, args.quick)
+                    # the merge of the split programs' partials alone, on the buffers of the call just made
+                    workspace = DecodeWorkspace()
+                    decode_attention(q, kv, sm_scale, workspace=workspace, kernel=kernel)
+                    merge_s = median_seconds(lambda: merge_splits(*workspace.buffers), args.quick)
+                    name = method if kernel == "triton" else f"{method}/{kernel}"
+                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, us=seconds * 1e6,
+                                     merge_us=merge_s * 1e6, gbs=bytes_read(layer) / seconds / 1e9,
+                                     vs_sdpa=sdpa_s / seconds, max_err=err))
                 del layer, kv
             if device == "cuda":
                 for nbits in (4, 2):
@@ -222,7 +225,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "pdl", "pairs")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "pdl", "pairs", "kernel")
 
 
 def bench_tune(args) -> dict:
@@ -251,23 +254,30 @@ def bench_tune(args) -> dict:
             # merge launched while the split kernel runs (programmatic dependent launch), and paged slots two at a
             # time (at the cap, and with the compiler's registers: a latency-bound launch has few programs anyway)
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, pdl=False, pairs=False)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, pdl=False, pairs=False, kernel="triton")
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
                       "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
                       "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
                       "pdl": [{**base, "pdl": True}],
-                      "pairs": [{**base, "pairs": True, "maxnreg": r} for r in (MAXNREG, 255)]}
+                      "pairs": [{**base, "pairs": True, "maxnreg": r} for r in (MAXNREG, 255)],
+                      # the Gluon kernel over the paged blocks, at its default split and register caps, and at the
+                      # split the Triton kernel's 128 registers would choose
+                      "kernel": [{**base, "kernel": "gluon", "maxnreg": r,
+                                  "splits": default_splits(batch, h, pages, sm_count, resident_programs(r))}
+                                 for r in (128, 168, 255)] + [{**base, "kernel": "gluon", "maxnreg": 168}]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
+            settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], pdl=setting["pdl"],
-                                               pairs=setting["pairs"])
+                                               pairs=setting["pairs"], kernel=setting["kernel"])
                 seconds = median_seconds(run, args.quick)
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
-                print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {int(v)}" for k, v in setting.items())
+                print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {v if isinstance(v, str) else int(v)}"
+                                                            for k, v in setting.items())
                       + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
                       f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
             del layer, kv, k, v
@@ -724,6 +734,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--lengths", type=int, nargs="*")
     parser.add_argument("--methods", nargs="*")
+    parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=["triton"],
+                        help="attention: decode kernels over the paged blocks, each measured (gluon: GPU only)")
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--prompt", type=int, help="generate: prompt tokens; turn: the longest first turn")
     parser.add_argument("--new-tokens", type=int, help="generate: tokens to generate; turn: the next turn's tokens")

@@ -3,7 +3,8 @@ attention table, the launch-setting sweep, a generation table, a chat's next tur
 checkout of an earlier commit is given) the earlier kernel's attention table measured in the same run.
 
     python -m backend.gpu_report --out DIR [--steps tests attention tune generate turn] [--baseline PATH]
-                                 [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...] [--tune ARGS]
+                                 [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...] [--attention ARGS]
+                                 [--tune ARGS]
                                  [--turn ARGS] [--pytest "tests/test_graphs.py -k graphed"]
 
 Each step is its own process with a share of the time budget; its output goes to DIR/log.txt and its results to
@@ -30,7 +31,8 @@ def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None
     return {
         "tests": [([py, "-m", "pytest", "-q", "-rf", "--tb=short", "-p", "no:cacheprovider", *xdist,
                     *shlex.split(args.pytest)], None)],
-        "attention": [([py, "-m", "backend.bench", "attention", "--out", str(out / "attention.json")], None)],
+        "attention": [([py, "-m", "backend.bench", "attention", *shlex.split(args.attention),
+                        "--out", str(out / "attention.json")], None)],
         "tune": [([py, "-m", "backend.bench", "tune", *shlex.split(args.tune), "--out", str(out / "tune.json")], None)],
         "baseline": [([py, "-m", "backend.bench", "attention", "--methods", "kitty-pro", "kivi-k2v2",
                        "--out", str(out / "baseline.json")], args.baseline)],
@@ -56,6 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--generate", action="append", metavar="ARGS",
                         help="arguments of one `bench generate` run (repeatable; default: 512 + 256 tokens, "
                              "HF static FP16 and kitty-pro)")
+    parser.add_argument("--attention", default="", metavar="ARGS",
+                        help="arguments of the `bench attention` step (e.g. \"--kernels triton gluon\")")
     parser.add_argument("--tune", default="", metavar="ARGS",
                         help="arguments of the `bench tune` step (e.g. \"--vary pdl warps --batches 1 8\"; default: "
                              "every sweep at every shape)")

@@ -388,14 +388,14 @@ def _paged_values(s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, 
 
 # Sizes that grow during generation are not specialized on (Triton would compile a new variant whenever one
 # becomes a multiple of 16, stalling a decode step for a second or more).
-@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT", "NPART"])
+@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT", "NPART", "FIRST_PART"])
 def _decode_split_kernel(
         q_ptr, kfp_ptr, vfp_ptr,
         klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
         ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr,
         po_ptr, pm_ptr, pl_ptr,
-        qk_scale, CK, CV, KMP, VMP, NSPLIT, NPART,
+        qk_scale, CK, CV, KMP, VMP, NSPLIT, NPART, FIRST_PART,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
@@ -404,7 +404,7 @@ def _decode_split_kernel(
         gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    part = tl.program_id(2)
+    part = tl.program_id(2) + FIRST_PART      # FIRST_PART = NSPLIT: the Gluon kernel took the paged blocks
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     start, end, rest, n_rest, n_sink_blocks, sink_len, n_paged, length, nkp, nvp = _program_blocks(
@@ -628,10 +628,11 @@ class DecodeWorkspace:
         return self.buffers
 
 
-def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
+def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int,
+                           first_part: int = 0) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
-    (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each.
-    Also used to compile the kernel for a profile. BLOCK_M: the group's query heads padded to the matrix
+    (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each
+    (with first_part = num_splits the grid holds only the latter: the Gluon kernel runs the former). Also used to compile the kernel for a profile. BLOCK_M: the group's query heads padded to the matrix
     instruction's 8 columns. BLOCK_NB: the boosted channels padded to at least 32, so that kitty's 16 take
     kitty-pro's layouts (with 16 columns its high-bits tile needed other layouts and shared-memory moves: 2,640
     instructions per page and 12.5 KB of shared memory against 2,396 and 9.7 KB; BENCHMARKS.md section 1).
@@ -643,7 +644,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     args = (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero,
             kv.v_low, kv.v_high, kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages,
             kv.n_vpages, part_o, part_m, part_l, sm_scale * math.log2(math.e), kv.k_fp.shape[2], kv.v_fp.shape[2],
-            kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
+            kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2], first_part)
     dot = dot_dtype(q.dtype)
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
                      PREC="ieee" if dot == tl.float32 else "tf32",
@@ -654,9 +655,13 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
+KERNELS = ("triton", "gluon")
+
+
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int = MAXNREG, pdl: bool = False, pairs: bool = False) -> torch.Tensor:
+                     maxnreg: int = MAXNREG, pdl: bool = False, pairs: bool = False,
+                     kernel: str = "triton") -> torch.Tensor:
     """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
@@ -666,21 +671,32 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     -0.4 us at batch 1, +2.2 us at batch 8 / 4K, nothing at batch 64; BENCHMARKS.md section 1, session 8).
     pairs: each program takes its paged slots two at a time, the second key page's scores ahead of the first
     page's softmax and values (an experiment for latency-bound launches, not yet measured: `python -m backend.bench
-    tune --vary pairs`)."""
+    tune --vary pairs`). kernel: "triton", or "gluon" for the paged blocks in kernels/decode_gluon.py (GPU only,
+    an experiment until the H200 says otherwise; launches it cannot take fall back to Triton) with the Triton
+    kernel on the remaining blocks; maxnreg then caps the Gluon kernel's registers."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
+    q = q.contiguous()
+    if kernel == "gluon":
+        from . import decode_gluon
+        kernel = "gluon" if decode_gluon.supports(q, kv) else "triton"
     if num_splits is None:
         sm_count = multiprocessors(q.device)
         num_splits = default_splits(bsz, h, max(1, kv.k_table.shape[1]), sm_count,
                                     resident_programs(maxnreg, num_warps))
     num_parts = num_splits + remaining_blocks(kv)
-    q = q.contiguous()
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
-    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits)
+    first = num_splits if kernel == "gluon" else 0
+    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, first)
+    if kernel == "gluon":
+        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg)
+        maxnreg = MAXNREG
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     pdl = pdl and pdl_supported(q.device)
-    _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options, **({"PDL": True} if pdl else {}),
-                                              **({"PAIRS": True} if pairs else {}))
+    _decode_split_kernel[(bsz, h, num_parts - first)](*args, **constants, **options, **({"PDL": True} if pdl else {}),
+                                                      **({"PAIRS": True} if pairs else {}))
     return merge_splits(part_o, part_m, part_l, out, pdl=pdl)
 
 

@@ -232,6 +232,64 @@ def test_decode_attention_matches_reference(case):
         assert rel_err(out, ref) < tol, f"splits={splits}, pairs={pairs}: {rel_err(out, ref):.2e}"
 
 
+GLUON_CASES = [
+    # lengths, KV heads, head_dim, GQA group, k_bits, v_bits, sink, page, window, boosted, dtype: shapes the Gluon
+    # kernel takes (pages of 64 or 128 tokens, head_dim 64 or 128, boosted channels a multiple of 16)
+    ([4100, 300, 1], 2, 128, 4, 2, 2, 32, 128, 128, 32, torch.bfloat16),       # kitty-pro, Qwen3-8B's group
+    ([1000, 517], 3, 128, 3, 2, 2, 32, 128, 128, 16, torch.bfloat16),          # kitty
+    ([700, 333], 2, 64, 8, 2, 2, 0, 64, 64, 0, torch.bfloat16),                # kivi-k2v2
+    ([900], 2, 64, 1, 4, 4, 16, 64, 64, 64, torch.bfloat16),                   # kivi-k4v4
+    ([650, 129], 2, 128, 4, 2, 4, 32, 128, 128, 32, torch.float16),
+    ([1300], 1, 64, 3, 4, 2, 32, 64, 64, 64, torch.float16),
+]
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
+def test_gluon_decode_attention_matches_reference(case):
+    from kernels import decode_gluon
+    lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
+    kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
+                               v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
+    q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    assert decode_gluon.supports(q, kv)
+    ref = decode_attention_ref(q, kv, d ** -0.5)
+    tol = 2e-3 if dtype == torch.float16 else 1.5e-2
+    for splits, maxnreg in ((1, 255), (3, 128), (None, 168)):
+        out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon", maxnreg=maxnreg)
+        assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
+        assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
+        triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits)
+        assert rel_err(out, triton_out) < tol / 2, f"splits={splits}: {rel_err(out, triton_out):.2e} from Triton"
+
+
+def test_gluon_kernel_compiles_for_hopper_with_register_operands():
+    """Without a GPU: the Gluon kernel compiles for sm_90 (its operand layouts are checked to be register
+    renamings when it is built: convert_layout(..., assert_trivial=True)), its page loop holds the matrix
+    products and 16-byte code loads, and the only shared memory is the probabilities' one move per page."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.sass_profile import compile_gluon_kernel, profile
+        for method, dtype in (("kitty-pro", torch.bfloat16), ("kivi-k2v2", torch.float16)):
+            compiled = compile_gluon_kernel(method, dtype, 4)
+            row = profile(compiled)
+            wide = compiled.asm["ptx"].count("ld.global.v4.b32")
+            print(method, row["loop matrix"], row["loop local ld/st"], row["shared bytes"], wide)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in run.stdout.splitlines()}
+    # kitty-pro: 4 quarters x (2 x 8 key + 2 x 2 boosted + 2 x 8 value tiles) products, and up to 36 for the
+    # offsets (rows of one constant operand: the compiler may share them); kivi-k2v2 in fp16: exact codes, no
+    # boosted plane, no offset
+    assert 4 * (16 + 4 + 16) < rows["kitty-pro"][0] <= 4 * (16 + 4 + 16) + 36, run.stdout
+    assert rows["kivi-k2v2"][0] == 4 * (16 + 16), run.stdout
+    for matrix, spills, shared, wide in rows.values():
+        assert spills == 0 and shared <= 1024, run.stdout
+        assert wide >= (128 * 32 + 128 * 32) // 16 // 32, run.stdout     # a page's key and value codes, 16 B each
+
+
 def test_default_splits_are_the_h200_sweeps_best():
     """The split counts bench tune found best on the H200 (BENCHMARKS.md section 1) at the Qwen3-8B shapes: 8 KV
     heads, pages of 128 tokens, 132 multiprocessors."""
