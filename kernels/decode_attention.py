@@ -655,33 +655,55 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("triton", "gluon")
+KERNELS = ("auto", "triton", "gluon")
+# The Gluon kernel (decode_gluon.py) spends about 1,860 instructions per page against Triton's 2,420, but has no
+# software pipelining: it wins where each program walks many pages (throughput-bound launches: batch 64, batch 8 at
+# 32K, 10-20 % faster) and loses where programs take one or two pages (latency-bound: batch 1, batch 8 at 4K, up to
+# 1.7x slower). Measured on the H200 (BENCHMARKS.md section 1, session 9); "auto" follows that line.
+GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor, no spills (255: fewer programs, slower)
+MIN_GLUON_PAGES = 4           # pages per program from which "auto" takes the Gluon kernel
+
+
+def choose_kernel(q: torch.Tensor, kv: PagedKV, num_splits: int | None, num_warps: int = 1) -> str:
+    """decode_attention(kernel="auto")'s choice: "gluon" for a launch it supports (decode_gluon.supports: a GPU,
+    16-bit queries, tileable pages) whose programs take MIN_GLUON_PAGES pages or more each, else "triton"."""
+    from . import decode_gluon
+    if num_warps != 1 or not decode_gluon.supports(q, kv):
+        return "triton"
+    pages = max(1, kv.k_table.shape[1])
+    splits = num_splits or default_splits(q.shape[0], kv.k_fp.shape[1], pages, multiprocessors(q.device),
+                                          resident_programs(GLUON_MAXNREG))
+    return "gluon" if pages >= MIN_GLUON_PAGES * splits else "triton"
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int = MAXNREG, pdl: bool = False, pairs: bool = False,
-                     kernel: str = "triton") -> torch.Tensor:
-    """Triton launch: q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
+                     maxnreg: int | None = None, pdl: bool = False, pairs: bool = False,
+                     kernel: str = "auto") -> torch.Tensor:
+    """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
-    (defaults tuned on the H200; maxnreg 255 leaves it to the compiler). With a workspace, its buffers are reused
-    (see DecodeWorkspace); without, they are allocated per call. pdl: launch the merge with programmatic dependent
-    launch (Hopper and later; ignored elsewhere), so that its launch overlaps the split kernel's work (measured:
-    -0.4 us at batch 1, +2.2 us at batch 8 / 4K, nothing at batch 64; BENCHMARKS.md section 1, session 8).
-    pairs: each program takes its paged slots two at a time, the second key page's scores ahead of the first
-    page's softmax and values (an experiment for latency-bound launches, not yet measured: `python -m backend.bench
-    tune --vary pairs`). kernel: "triton", or "gluon" for the paged blocks in kernels/decode_gluon.py (GPU only,
-    an experiment until the H200 says otherwise; launches it cannot take fall back to Triton) with the Triton
-    kernel on the remaining blocks; maxnreg then caps the Gluon kernel's registers."""
+    (defaults tuned on the H200: MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). With a
+    workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call. pdl: launch the
+    merge with programmatic dependent launch (Hopper and later; ignored elsewhere), so that its launch overlaps the
+    split kernel's work (measured: -0.4 us at batch 1, +2.2 us at batch 8 / 4K, nothing at batch 64; BENCHMARKS.md
+    section 1, session 8). pairs: each program takes its paged slots two at a time, the second key page's scores
+    ahead of the first page's softmax and values (an experiment for latency-bound launches, not yet measured:
+    `python -m backend.bench tune --vary pairs`). kernel: the paged blocks' kernel, "triton", "gluon"
+    (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto" (choose_kernel); with
+    Gluon, the Triton kernel still runs the remaining blocks (sink, buffers) and maxnreg caps the Gluon kernel."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
-    if kernel == "gluon":
+    if kernel == "auto":
+        kernel = choose_kernel(q, kv, num_splits, num_warps)
+    elif kernel == "gluon":
         from . import decode_gluon
         kernel = "gluon" if decode_gluon.supports(q, kv) else "triton"
+    if maxnreg is None:
+        maxnreg = GLUON_MAXNREG if kernel == "gluon" else MAXNREG
     if num_splits is None:
         sm_count = multiprocessors(q.device)
         num_splits = default_splits(bsz, h, max(1, kv.k_table.shape[1]), sm_count,
@@ -691,6 +713,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     first = num_splits if kernel == "gluon" else 0
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, first)
     if kernel == "gluon":
+        from . import decode_gluon
         decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg)
         maxnreg = MAXNREG
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

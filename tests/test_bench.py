@@ -207,13 +207,16 @@ def test_results_name_the_measured_sources_by_git_blob_id(tmp_path):
 
 
 def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
-    """The one command a device call runs: each generate table and the tune sweep get the arguments given for them."""
+    """The one command a device call runs: each generate table, the attention table and the tune sweep get the
+    arguments given for them."""
     from backend.gpu_report import main, step_commands
     parser_args = type("Args", (), dict(pytest="tests/test_kernels.py -k pdl", tune="--vary pdl --batches 1",
                                         generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline=None,
-                                        turn="--batch 4"))
+                                        turn="--batch 4", attention="--kernels triton gluon"))
     steps = step_commands(parser_args, tmp_path)
     assert steps["tune"][0][0][-6:] == ["--vary", "pdl", "--batches", "1", "--out", str(tmp_path / "tune.json")]
+    assert steps["attention"][0][0][-6:] == ["attention", "--kernels", "triton", "gluon", "--out",
+                                              str(tmp_path / "attention.json")]
     assert steps["turn"][0][0][-5:] == ["turn", "--batch", "4", "--out", str(tmp_path / "turn.json")]
     generate = [cmd[-5:-2] for cmd, _ in steps["generate"]]
     assert generate == [["64", "--methods", "kitty"], ["generate", "--prompt", "32"]]
