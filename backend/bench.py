@@ -51,8 +51,10 @@ import triton
 import triton.testing
 
 # on a CPU: Triton interpreted
-from kernels.decode_attention import (KERNELS, MAXNREG, DecodeWorkspace, decode_attention, default_splits,
-                                      merge_splits, multiprocessors, resident_programs)
+from kernels.decode_attention import (GLUON_MAXNREG, GLUON_PIPELINE, KERNELS, MAXNREG, DecodeWorkspace,
+                                      decode_attention, default_splits, merge_splits, multiprocessors,
+                                      resident_programs, split_count)
+from kernels.decode_gluon import PIPELINES
 
 from . import memory
 from .cache import FLUSH_MODES, KittyLayer
@@ -94,8 +96,9 @@ def copy_bandwidth() -> float | None:
 # The files whose contents decide a measured figure: their git blob ids go with every result, because the device
 # machine receives a copy of the working tree without the session's commits (`git log --find-object=ID` here
 # names the commits that hold a file as measured).
-MEASURED_SOURCES = ("kernels/decode_attention.py", "kernels/quantize.py", "kernels/flush.py", "kernels/dequantize.py",
-                    "backend/cache.py", "backend/chunk_attention.py", "backend/graphs.py", "backend/bench.py")
+MEASURED_SOURCES = ("kernels/decode_attention.py", "kernels/decode_gluon.py", "kernels/quantize.py", "kernels/flush.py",
+                    "kernels/dequantize.py", "backend/cache.py", "backend/chunk_attention.py", "backend/graphs.py",
+                    "backend/bench.py")
 
 
 def git_blob_id(path: Path) -> str:
@@ -195,16 +198,21 @@ def bench_attention(args) -> dict:
             for method in methods:
                 layer = filled_layer(method, k, v)
                 kv = layer.paged()
-                for kernel in args.kernels:
-                    run = lambda: decode_attention(q, kv, sm_scale, kernel=kernel)  # noqa: E731
+                variants = [(kernel, p) for kernel in args.kernels
+                            for p in (args.pipelines if kernel != "triton" else [GLUON_PIPELINE])]
+                for kernel, pipeline in variants:
+                    run = lambda: decode_attention(q, kv, sm_scale, kernel=kernel, pipeline=pipeline)  # noqa: E731
                     err = (run().float() - reference).abs().max().item()  # vs exact FP16 attention: quantization error
                     seconds = median_seconds(run, args.quick)
                     # the merge of the split programs' partials alone, on the buffers of the call just made
                     workspace = DecodeWorkspace()
-                    decode_attention(q, kv, sm_scale, workspace=workspace, kernel=kernel)
+                    decode_attention(q, kv, sm_scale, workspace=workspace, kernel=kernel, pipeline=pipeline)
                     merge_s = median_seconds(lambda: merge_splits(*workspace.buffers), args.quick)
                     name = method if kernel == "triton" else f"{method}/{kernel}"
-                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, us=seconds * 1e6,
+                    if len(args.pipelines) > 1 and kernel != "triton":
+                        name += f"-p{pipeline}"
+                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, pipeline=pipeline,
+                                     us=seconds * 1e6,
                                      merge_us=merge_s * 1e6, gbs=bytes_read(layer) / seconds / 1e9,
                                      vs_sdpa=sdpa_s / seconds, max_err=err))
                 del layer, kv
@@ -225,7 +233,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "pdl", "pairs", "kernel")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "pdl", "pairs", "kernel", "gluon-splits")
 
 
 def bench_tune(args) -> dict:
@@ -254,25 +262,34 @@ def bench_tune(args) -> dict:
             # merge launched while the split kernel runs (programmatic dependent launch), and paged slots two at a
             # time (at the cap, and with the compiler's registers: a latency-bound launch has few programs anyway)
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, pdl=False, pairs=False, kernel="triton")
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, pdl=False, pairs=False, kernel="triton",
+                        pipeline=GLUON_PIPELINE)
+
+            def gluon(maxnreg, pipeline, quarters=4):
+                """The Gluon kernel at a register cap and pipeline, at quarters / 4 of the split they choose."""
+                own = split_count(q, kv, "gluon", maxnreg, pipeline=pipeline)
+                return {**base, "kernel": "gluon", "maxnreg": maxnreg, "pipeline": pipeline,
+                        "splits": max(1, min(pages, own * quarters // 4))}
+
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
                       "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
                       "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
                       "pdl": [{**base, "pdl": True}],
                       "pairs": [{**base, "pairs": True, "maxnreg": r} for r in (MAXNREG, 255)],
-                      # the Gluon kernel over the paged blocks, at its default split and register caps, and at the
-                      # split the Triton kernel's 128 registers would choose
-                      "kernel": [{**base, "kernel": "gluon", "maxnreg": r,
-                                  "splits": default_splits(batch, h, pages, sm_count, resident_programs(r))}
-                                 for r in (128, 168, 255)] + [{**base, "kernel": "gluon", "maxnreg": 168}]}
+                      # the Gluon kernel over the paged blocks with each of its pipelines, at three register caps
+                      # (each at the split of its resident programs), then the cp.async pipelines at half and twice
+                      # that split
+                      "kernel": [gluon(r, p) for p in PIPELINES for r in (128, 168, 255)],
+                      "gluon-splits": [gluon(GLUON_MAXNREG, p, f) for p in PIPELINES[1:] for f in (2, 8)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], pdl=setting["pdl"],
-                                               pairs=setting["pairs"], kernel=setting["kernel"])
+                                               pairs=setting["pairs"], kernel=setting["kernel"],
+                                               pipeline=setting["pipeline"])
                 seconds = median_seconds(run, args.quick)
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
@@ -288,11 +305,11 @@ def bench_tune(args) -> dict:
 
 def print_rows(rows, header=True):
     if header:
-        print(f"{'B':>3} {'L':>6} {'method':>15} {'us':>10} {'merge us':>9} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
+        print(f"{'B':>3} {'L':>6} {'method':>20} {'us':>10} {'merge us':>9} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
     for r in rows:
         err = "" if r.get("max_err") is None else f"{r['max_err']:.3g}"
         merge = "" if r.get("merge_us") is None else f"{r['merge_us']:.1f}"
-        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>15} {r['us']:>10.1f} {merge:>9} {r['gbs']:>8.0f} "
+        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>20} {r['us']:>10.1f} {merge:>9} {r['gbs']:>8.0f} "
               f"{r['vs_sdpa']:>7.2f}x {err:>9}", flush=True)
 
 
@@ -736,6 +753,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="*")
     parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=["triton"],
                         help="attention: decode kernels over the paged blocks, each measured (gluon: GPU only)")
+    parser.add_argument("--pipelines", nargs="*", type=int, choices=PIPELINES, default=[GLUON_PIPELINE],
+                        help="attention: the Gluon kernel's pipelines, each measured (kernels/decode_gluon.py)")
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--prompt", type=int, help="generate: prompt tokens; turn: the longest first turn")
     parser.add_argument("--new-tokens", type=int, help="generate: tokens to generate; turn: the next turn's tokens")

@@ -3,6 +3,7 @@ attention table, the launch-setting sweep, a generation table, a chat's next tur
 checkout of an earlier commit is given) the earlier kernel's attention table measured in the same run.
 
     python -m backend.gpu_report --out DIR [--steps tests attention tune generate turn] [--baseline PATH]
+                                 [--baseline-attention ARGS]
                                  [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...] [--attention ARGS]
                                  [--tune ARGS]
                                  [--turn ARGS] [--pytest "tests/test_graphs.py -k graphed"]
@@ -34,7 +35,7 @@ def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None
         "attention": [([py, "-m", "backend.bench", "attention", *shlex.split(args.attention),
                         "--out", str(out / "attention.json")], None)],
         "tune": [([py, "-m", "backend.bench", "tune", *shlex.split(args.tune), "--out", str(out / "tune.json")], None)],
-        "baseline": [([py, "-m", "backend.bench", "attention", "--methods", "kitty-pro", "kivi-k2v2",
+        "baseline": [([py, "-m", "backend.bench", "attention", *shlex.split(args.baseline_attention),
                        "--out", str(out / "baseline.json")], args.baseline)],
         "generate": [([py, "-m", "backend.bench", "generate", *shlex.split(extra),
                        "--out", str(out / f"generate{k}.json")], None) for k, extra in enumerate(args.generate)],
@@ -52,6 +53,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", nargs="*", default=list(STEPS), choices=STEPS)
     parser.add_argument("--baseline", help="root of an earlier checkout whose kernel is measured for comparison")
+    parser.add_argument("--baseline-attention", default="--methods kitty-pro kivi-k2v2", metavar="ARGS",
+                        help="arguments of the baseline checkout's `bench attention` step")
     parser.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget for all steps")
     parser.add_argument("--step-s", nargs="*", default=[], metavar="STEP=SECONDS",
                         help="time limit of a step (default: what is left of the budget)")

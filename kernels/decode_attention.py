@@ -95,24 +95,44 @@ def field_weights(dtype: torch.dtype) -> list[float]:
 def unpack_asm(dtype: torch.dtype, offset: bool = False) -> str:
     """PTX: one word of 4 bytes ($8) -> for each quarter i, the 16-bit pairs of field i of bytes (0, 1) in $2i and
     of bytes (2, 3) in $2i+1, as exact values 0..3 of `dtype` (offset=True: as M + w_i * code, field_weights)."""
-    magic = MAGIC[dtype]
-    fma = {torch.bfloat16: "fma.rn.bf16x2", torch.float16: "fma.rn.f16x2"}[dtype]
     lines = ["{ .reg .b32 t, u, v, s, o;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;"]
-    for i, weight in enumerate(field_weights(dtype)):
-        shift = 2 * i                                 # where field i sits; fields past the mantissa move down
-        if i >= FIELDS_IN_MANTISSA[dtype]:
-            lines += [f"shr.b32 t, t, {shift};", f"shr.b32 u, u, {shift};"]
-            shift = 0
-        if not offset:
-            lines += [f"mov.b32 s, {_bits16(1.0 / weight, dtype):#x};",
-                      f"mov.b32 o, {_bits16(-magic / weight, dtype):#x};"]
-        for k, word in enumerate("tu"):
-            mask = f"{0x00030003 << shift:#x}, {_bits16(magic, dtype):#x}, 0xea;"
-            if offset:
-                lines += [f"lop3.b32 ${2 * i + k}, {word}, {mask}"]
-            else:
-                lines += [f"lop3.b32 v, {word}, {mask}", f"{fma} ${2 * i + k}, v, s, o;"]
+    for i in range(4):
+        lines += _field_lines(dtype, i, offset, f"${2 * i}", f"${2 * i + 1}")
     return " ".join(lines) + " }"
+
+
+# unpack_asm in two steps, for a kernel that multiplies quarter by quarter (fewer live registers) and can take a
+# word's bytes in the order (b0, b2, b1, b3): SPREAD_ASM gives the words the fields are taken from without the prmt
+# ($0 = the word, $1 = the word >> 8: 16-bit halves led by b0 / b2 and b1 / b3), quarter_asm(i) takes field i of
+# them, so its outputs pair bytes (0, 2) in $0 and (1, 3) in $1.
+SPREAD_ASM = "mov.b32 $0, $2; shr.b32 $1, $2, 8;"
+
+
+def quarter_asm(dtype: torch.dtype, i: int, offset: bool = False) -> str:
+    """PTX: two words ($2, $3: unpack_asm's after its prmt, or SPREAD_ASM's) -> field i of each, in $0 and $1, as
+    unpack_asm gives them."""
+    return " ".join(["{ .reg .b32 t, u, v, s, o;", "mov.b32 t, $2;", "mov.b32 u, $3;",
+                     *_field_lines(dtype, i, offset, "$0", "$1")]) + " }"
+
+
+def _field_lines(dtype: torch.dtype, i: int, offset: bool, out_t: str, out_u: str) -> list[str]:
+    """Field i of words t and u (the prmt-ed word and that >> 8) into out_t / out_u (may shift t and u)."""
+    magic, weight = MAGIC[dtype], field_weights(dtype)[i]
+    fma = {torch.bfloat16: "fma.rn.bf16x2", torch.float16: "fma.rn.f16x2"}[dtype]
+    shift = 2 * i                                     # where field i sits; fields past the mantissa move down
+    lines = []
+    if i >= FIELDS_IN_MANTISSA[dtype]:
+        lines += [f"shr.b32 t, t, {shift};", f"shr.b32 u, u, {shift};"]
+        shift = 0
+    if not offset:
+        lines += [f"mov.b32 s, {_bits16(1.0 / weight, dtype):#x};", f"mov.b32 o, {_bits16(-magic / weight, dtype):#x};"]
+    for word, out in (("t", out_t), ("u", out_u)):
+        mask = f"{0x00030003 << shift:#x}, {_bits16(magic, dtype):#x}, 0xea;"
+        if offset:
+            lines += [f"lop3.b32 {out}, {word}, {mask}"]
+        else:
+            lines += [f"lop3.b32 v, {word}, {mask}", f"{fma} {out}, v, s, o;"]
+    return lines
 
 
 UNPACK_FP16 = tl.constexpr(unpack_asm(torch.float16))
@@ -656,32 +676,44 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
 
 
 KERNELS = ("auto", "triton", "gluon")
-# The Gluon kernel (decode_gluon.py) spends about 1,860 instructions per page against Triton's 2,420, but has no
-# software pipelining: it wins where each program walks many pages (throughput-bound launches: batch 64, batch 8 at
-# 32K, 10-20 % faster) and loses where programs take one or two pages (latency-bound: batch 1, batch 8 at 4K, up to
-# 1.7x slower). Measured on the H200 (BENCHMARKS.md section 1, session 9); "auto" follows that line.
-GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor, no spills (255: fewer programs, slower)
+# The Gluon kernel (decode_gluon.py) spends about 1,860 instructions per page against Triton's 2,420. Its first
+# version, with no software pipelining, won where each program walks many pages (throughput-bound launches: batch
+# 64, batch 8 at 32K, 10-20 % faster) and lost where programs take one or two pages (latency-bound: batch 1, batch
+# 8 at 4K, up to 1.7x slower), measured on the H200 in session 9; "auto" follows that line. Its pipelines
+# (decode_gluon.PIPELINES: 0 loads at use, 1 and 2 copy the next slot ahead with cp.async) are not measured yet.
+GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor (255: fewer programs, slower)
+GLUON_PIPELINE = 0
 MIN_GLUON_PAGES = 4           # pages per program from which "auto" takes the Gluon kernel
 
 
-def choose_kernel(q: torch.Tensor, kv: PagedKV, num_splits: int | None, num_warps: int = 1) -> str:
+def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1,
+                pipeline: int = GLUON_PIPELINE) -> int:
+    """default_splits for a launch of `kernel` ("triton" or "gluon") at its register cap (and, for Gluon, the
+    shared memory of its pipeline): one wave of the programs a multiprocessor holds."""
+    from . import decode_gluon
+    resident = (decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, pipeline) if kernel == "gluon"
+                else resident_programs(maxnreg, num_warps))
+    return default_splits(q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device),
+                          resident)
+
+
+def choose_kernel(q: torch.Tensor, kv: PagedKV, num_splits: int | None, num_warps: int = 1,
+                  pipeline: int = GLUON_PIPELINE) -> str:
     """decode_attention(kernel="auto")'s choice: "gluon" for a launch it supports (decode_gluon.supports: a GPU,
     16-bit queries, tileable pages) whose programs take MIN_GLUON_PAGES pages or more each, else "triton"."""
     from . import decode_gluon
     if num_warps != 1 or not decode_gluon.supports(q, kv):
         return "triton"
-    pages = max(1, kv.k_table.shape[1])
-    splits = num_splits or default_splits(q.shape[0], kv.k_fp.shape[1], pages, multiprocessors(q.device),
-                                          resident_programs(GLUON_MAXNREG))
-    return "gluon" if pages >= MIN_GLUON_PAGES * splits else "triton"
+    splits = num_splits or split_count(q, kv, "gluon", GLUON_MAXNREG, pipeline=pipeline)
+    return "gluon" if max(1, kv.k_table.shape[1]) >= MIN_GLUON_PAGES * splits else "triton"
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, pdl: bool = False, pairs: bool = False,
-                     kernel: str = "auto") -> torch.Tensor:
+                     kernel: str = "auto", pipeline: int = GLUON_PIPELINE) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
-    num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: default_splits);
+    num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: split_count);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
     (defaults tuned on the H200: MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). With a
     workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call. pdl: launch the
@@ -691,30 +723,30 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     ahead of the first page's softmax and values (an experiment for latency-bound launches, not yet measured:
     `python -m backend.bench tune --vary pairs`). kernel: the paged blocks' kernel, "triton", "gluon"
     (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto" (choose_kernel); with
-    Gluon, the Triton kernel still runs the remaining blocks (sink, buffers) and maxnreg caps the Gluon kernel."""
+    Gluon, the Triton kernel still runs the remaining blocks (sink, buffers), maxnreg caps the Gluon kernel and
+    pipeline is how its slots' tiles reach registers (decode_gluon.PIPELINES)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
     if kernel == "auto":
-        kernel = choose_kernel(q, kv, num_splits, num_warps)
+        kernel = choose_kernel(q, kv, num_splits, num_warps, pipeline)
     elif kernel == "gluon":
         from . import decode_gluon
         kernel = "gluon" if decode_gluon.supports(q, kv) else "triton"
     if maxnreg is None:
         maxnreg = GLUON_MAXNREG if kernel == "gluon" else MAXNREG
     if num_splits is None:
-        sm_count = multiprocessors(q.device)
-        num_splits = default_splits(bsz, h, max(1, kv.k_table.shape[1]), sm_count,
-                                    resident_programs(maxnreg, num_warps))
+        num_splits = split_count(q, kv, kernel, maxnreg, num_warps, pipeline)
     num_parts = num_splits + remaining_blocks(kv)
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
     first = num_splits if kernel == "gluon" else 0
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, first)
     if kernel == "gluon":
         from . import decode_gluon
-        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg)
+        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg,
+                            pipeline)
         maxnreg = MAXNREG
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     pdl = pdl and pdl_supported(q.device)

@@ -26,22 +26,26 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .decode_attention import (OFFSET_MAGIC, OFFSET_W1, OFFSET_W2, UNPACK_BF16_OFFSET, UNPACK_FP16)
+from .decode_attention import OFFSET_MAGIC, OFFSET_W1, OFFSET_W2, SPREAD_ASM, quarter_asm
 from .layout import PagedKV
 
 HEADS_PER_TILE = 8          # the matrix instruction's columns: a KV group of up to 8 query heads
+QUARTER_BF16_OFFSET = gl.constexpr(tuple(quarter_asm(torch.bfloat16, i, offset=True) for i in range(4)))
+QUARTER_FP16 = gl.constexpr(tuple(quarter_asm(torch.float16, i) for i in range(4)))
+SPREAD = gl.constexpr(SPREAD_ASM)
 
 
 def supports(q: torch.Tensor, kv: PagedKV) -> bool:
     """Whether the Gluon kernel handles this launch: a CUDA device of compute capability 8.0 or later (mma.sync),
-    16-bit queries, a KV group of at most 8 heads, and page shapes that tile into 16 x 16 operands."""
+    16-bit queries, a KV group of at most 8 heads, head_dim and pages of 64 or 128, and boosted channels that the
+    32-channel chunks tile (0, 16 or a multiple of 32)."""
     bsz, hq, d = q.shape
     h, g = kv.k_fp.shape[1], kv.page_size
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8
             and q.dtype in (torch.bfloat16, torch.float16) and hq // h <= HEADS_PER_TILE
-            and d % 64 == 0 and g % 64 == 0 and kv.n_boost % 16 == 0)
+            and d in (64, 128) and g in (64, 128) and (kv.n_boost in (0, 16) or kv.n_boost % 32 == 0))
 
 
 @gluon.constexpr_function
@@ -70,8 +74,10 @@ def _a_operand(x, R: gl.constexpr, K: gl.constexpr):
 
 @gluon.jit
 def _b_operand(x, K: gl.constexpr):
-    """(K, heads) tile in _cols_layout(K) -> the same registers as the second mma operand, rows in operand
-    order (the order _a_operand gives the first operand's columns)."""
+    """(K, heads) tile in _cols_layout(K) -> the same registers as the second mma operand, rows in the order that
+    _a_operand gives the first operand's columns after _tile_products' unpacking, which pairs the bytes of a word
+    as (0, 2) and (1, 3) (a swap inside each 4 rows here)."""
+    x = gl.reshape(gl.permute(gl.reshape(x, [K // 4, 2, 2, HEADS]), [0, 2, 1, 3]), [K, HEADS])
     x = gl.permute(gl.reshape(x, [4, K // 16, 2, 2, HEADS]), [1, 2, 0, 3, 4])
     return gl.convert_layout(gl.reshape(x, [K, HEADS]), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
 
@@ -80,27 +86,52 @@ HEADS = gl.constexpr(HEADS_PER_TILE)
 
 
 @gluon.jit
-def _unpacked(ptr, R: gl.constexpr, K: gl.constexpr, OFFSET: gl.constexpr):
-    """The (R, K) byte tile at ptr (rows of K contiguous bytes) -> its four 2-bit fields (quarter i = bits 2i) as
-    first mma operands: exact codes (fp16), or M + w_i * code (bf16, OFFSET; see the Triton kernel)."""
-    layout: gl.constexpr = _rows_layout(K)
-    r = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-    k = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
-    x = gl.load(ptr + r[:, None] * K + k[None, :])
-    if OFFSET:
-        c0, c1, c2, c3 = gl.inline_asm_elementwise(asm=UNPACK_BF16_OFFSET, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-                                                   args=[x], dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
-                                                   is_pure=True, pack=4)
-    else:
-        c0, c1, c2, c3 = gl.inline_asm_elementwise(asm=UNPACK_FP16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-                                                   args=[x], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
-                                                   is_pure=True, pack=4)
-    return _a_operand(c0, R, K), _a_operand(c1, R, K), _a_operand(c2, R, K), _a_operand(c3, R, K)
+def _spread(x):
+    """An (R, K) byte tile -> the two words per 4 bytes that _quarter takes fields from (SPREAD_ASM: bytes 1 and 2
+    of each 4 trade places in the operands, which _b_operand matches)."""
+    return gl.inline_asm_elementwise(asm=SPREAD, constraints="=r,=r,r", args=[x], dtype=(gl.uint8, gl.uint8),
+                                     is_pure=True, pack=4)
 
 
 @gluon.jit
-def _products(a0, a1, a2, a3, b, acc0, acc1, acc2, acc3):
-    return mma_v2(a0, b, acc0), mma_v2(a1, b, acc1), mma_v2(a2, b, acc2), mma_v2(a3, b, acc3)
+def _quarter(t, u, I: gl.constexpr, R: gl.constexpr, K: gl.constexpr, OFFSET: gl.constexpr):
+    """Quarter I (the 2-bit fields at bits 2I) of the tile _spread gave (t, u), as a first mma operand: exact codes
+    (fp16), or M + w_I * code (bf16, OFFSET; see the Triton kernel). One quarter at a time, so that a tile's four
+    unpacked quarters are never live together."""
+    if OFFSET:
+        c = gl.inline_asm_elementwise(asm=_pick(QUARTER_BF16_OFFSET, I), constraints="=r,=r,r,r", args=[t, u],
+                                      dtype=gl.bfloat16, is_pure=True, pack=4)
+    else:
+        c = gl.inline_asm_elementwise(asm=_pick(QUARTER_FP16, I), constraints="=r,=r,r,r", args=[t, u],
+                                      dtype=gl.float16, is_pure=True, pack=4)
+    return _a_operand(c, R, K)
+
+
+@gluon.constexpr_function
+def _pick(options, i):
+    return options[i]
+
+
+@gluon.jit
+def _tile_products(x, b, acc0, acc1, acc2, acc3, R: gl.constexpr, K: gl.constexpr, OFFSET: gl.constexpr):
+    """acc_i += (quarter i of the (R, K) byte tile x) @ b, for the 4 quarters."""
+    t, u = _spread(x)
+    acc0 = mma_v2(_quarter(t, u, 0, R, K, OFFSET), b, acc0)
+    acc1 = mma_v2(_quarter(t, u, 1, R, K, OFFSET), b, acc1)
+    acc2 = mma_v2(_quarter(t, u, 2, R, K, OFFSET), b, acc2)
+    acc3 = mma_v2(_quarter(t, u, 3, R, K, OFFSET), b, acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.constexpr_function
+def _vector_layout(N, BYTES):
+    """A (N,) vector of BYTES-byte elements over a warp for cp.async: at least 4 bytes per thread."""
+    return gl.BlockedLayout([max(N // 32, 4 // BYTES)], [32], [1], [0])
+
+
+@gluon.jit
+def _copy_vector(smem, ptr, N: gl.constexpr, BYTES: gl.constexpr):
+    async_copy.async_copy_global_to_shared(smem, ptr + gl.arange(0, N, layout=_vector_layout(N, BYTES)))
 
 
 @gluon.jit
@@ -109,58 +140,245 @@ def _heads_vector(x):
     return gl.convert_layout(x, gl.SliceLayout(0, _mma()))
 
 
+# ---------------------------------------------------------------------------------------------- one paged slot
+# A slot is computed 32 columns of a plane at a time (KC: a key page's channels, or one token quarter of a value
+# page), so that only one chunk's codes are unpacked and live at once: with whole tiles the kernel wanted 220-240
+# registers and spilled at its cap. A chunk's tiles come from global memory (PIPELINE 0) or from the slot's
+# shared-memory buffer, where each plane is stored chunk by chunk ([chunks, rows, KC] bytes: conflict-free reads).
+KC = gl.constexpr(32)
+
+
+@gluon.constexpr_function
+def _chunk(K):
+    """Columns per chunk of a key plane K columns wide (channels: 32 at a time, or all of a 16-channel plane)."""
+    return min(K, 32)
+
+
 @gluon.jit
-def _key_scores(q_b, q_rows, hmask_b, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, kpage,
-                D: gl.constexpr, G4: gl.constexpr, NB: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr):
-    """Scores (log2 units) of the 4 token quarters of key page `kpage`, (G4 tokens, HEADS) accumulator tiles.
-    q_b: the group's queries times qk_scale, (D, HEADS) in _cols_layout(D); q_rows / hmask_b: (1, HEADS)
+def _plane_chunk(PIPELINE: gl.constexpr, buf, stage, ptr, page, c, R: gl.constexpr, K: gl.constexpr,
+                 C: gl.constexpr):
+    """Chunk c (columns [c * C, (c + 1) * C)) of the (R, K) code plane of page `page`, in _rows_layout(C)."""
+    if PIPELINE == 0:
+        layout: gl.constexpr = _rows_layout(C)
+        r = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+        k = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+        return gl.load(ptr + page * (R * K) + c * C + r[:, None] * K + k[None, :])
+    else:
+        return buf.index(stage).slice(c * R, R).load(_rows_layout(C))
+
+
+@gluon.jit
+def _vector_chunk(PIPELINE: gl.constexpr, buf, stage, ptr, page, c, N: gl.constexpr, C: gl.constexpr, layout):
+    """Elements [c * C, (c + 1) * C) of the (N,) vector of page `page` (scales, zeros, boosted channels) in
+    `layout`."""
+    if PIPELINE == 0:
+        x = gl.load(ptr + page * N + c * C + gl.arange(0, C, layout=layout))
+    else:
+        x = buf.index(stage).slice(c * C, C).load(layout)
+    return x
+
+
+@gluon.jit
+def _key_scores(PIPELINE: gl.constexpr, kbufs, stage, kpage, q_s, q_rows, hmask_b, qk_scale, klow_ptr, khigh_ptr,
+                kch_ptr, kscale_ptr, kzero_ptr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
+                DOT: gl.constexpr, OFFSET: gl.constexpr):
+    """Scores (log2 units) of the 4 token quarters of key page `kpage`, (G/4 tokens, HEADS) accumulator tiles.
+    q_s: the group's queries times qk_scale in shared memory, (D/KC, KC, HEADS); q_rows / hmask_b: (1, HEADS)
     pointers to the query rows and the real heads, for the boosted channels' gather."""
-    lay: gl.constexpr = _cols_layout(D)
-    d = gl.arange(0, D, layout=gl.SliceLayout(1, lay))
-    scale = gl.load(kscale_ptr + kpage * D + d).to(gl.float32)
-    zero = gl.load(kzero_ptr + kpage * D + d).to(gl.float32)
-    zq = _heads_vector(gl.sum(q_b * zero[:, None], axis=0))
-    b = _b_operand((q_b * scale[:, None]).to(DOT), D)
-    # OFFSET: every accumulator starts at -M * (the column sums of b), so that M + w_i * code leaves w_i * scores
-    init = _offset(gl.zeros([G4, HEADS], gl.float32, _mma()), b, G4, D, DOT, OFFSET)
+    G4: gl.constexpr = G // 4
+    mma: gl.constexpr = _mma()
+    cols: gl.constexpr = _cols_layout(KC)
+    klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
+    s0 = gl.zeros([G4, HEADS], gl.float32, mma)
+    s1 = gl.zeros([G4, HEADS], gl.float32, mma)
+    s2 = gl.zeros([G4, HEADS], gl.float32, mma)
+    s3 = gl.zeros([G4, HEADS], gl.float32, mma)
+    # OFFSET: -M * (the column sums of every b), the same for all rows and quarters (M + w_i * code leaves
+    # w_i * scores); one product with a constant operand per chunk, cheaper than summing b's rounded values
+    off = gl.zeros([G4, HEADS], gl.float32, mma)
+    zq = gl.zeros([KC, HEADS], gl.float32, cols)                 # sum_d q_d * zero_d, folded over chunks at the end
+    for c in gl.static_range(D // KC):
+        q = q_s.index(c).load(cols)
+        scale = _vector_chunk(PIPELINE, kscale_s, stage, kscale_ptr, kpage, c, D, KC, gl.SliceLayout(1, cols))
+        zero = _vector_chunk(PIPELINE, kzero_s, stage, kzero_ptr, kpage, c, D, KC, gl.SliceLayout(1, cols))
+        zq += q * zero.to(gl.float32)[:, None]
+        b = _b_operand((q * scale.to(gl.float32)[:, None]).to(DOT), KC)
+        off = _offset(off, b, G4, KC, DOT, OFFSET)
+        s0, s1, s2, s3 = _tile_products(_plane_chunk(PIPELINE, klow_s, stage, klow_ptr, kpage, c, G4, D, KC), b,
+                                        s0, s1, s2, s3, G4, KC, OFFSET)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
-        lay_nb: gl.constexpr = _cols_layout(NB)
-        r = gl.arange(0, NB, layout=gl.SliceLayout(1, lay_nb))
-        ch = gl.load(kch_ptr + kpage * NB + r).to(gl.int32)
-        ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
-        q_ch = gl.load(gl.convert_layout(q_rows, lay_nb) + ch[:, None], mask=gl.convert_layout(hmask_b, lay_nb),
-                       other=0.0)
-        b_nb = _b_operand((q_ch.to(gl.float32) * qk_scale * (4.0 * ch_scale)[:, None]).to(DOT), NB)
-        init = _offset(init, b_nb, G4, NB, DOT, OFFSET)
-        a0, a1, a2, a3 = _unpacked(khigh_ptr + kpage * (G4 * NB), G4, NB, OFFSET)
-        init0, init1, init2, init3 = _products(a0, a1, a2, a3, b_nb, init, init, init, init)
-    else:
-        init0, init1, init2, init3 = init, init, init, init
-    a0, a1, a2, a3 = _unpacked(klow_ptr + kpage * (G4 * D), G4, D, OFFSET)
-    s0, s1, s2, s3 = _products(a0, a1, a2, a3, b, init0, init1, init2, init3)
-    zq = zq[None, :]
-    if OFFSET:                                          # s_i = w_i * scores_i
-        return s0 + zq, s1 * (1.0 / OFFSET_W1) + zq, s2 * (1.0 / OFFSET_W2) + zq, s3 + zq
+        NBC: gl.constexpr = _chunk(NB)
+        lay_nb: gl.constexpr = _cols_layout(NBC)
+        for c in gl.static_range(NB // NBC):
+            ch = _vector_chunk(PIPELINE, ch_s, stage, kch_ptr, kpage, c, NB, NBC, gl.SliceLayout(1, lay_nb))
+            ch = ch.to(gl.int32)                                                 # uint8 -> int32: exact
+            ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
+            q_ch = gl.load(gl.convert_layout(q_rows, lay_nb) + ch[:, None], mask=gl.convert_layout(hmask_b, lay_nb),
+                           other=0.0)
+            b_nb = _b_operand((q_ch.to(gl.float32) * qk_scale * (4.0 * ch_scale)[:, None]).to(DOT), NBC)
+            off = _offset(off, b_nb, G4, NBC, DOT, OFFSET)
+            s0, s1, s2, s3 = _tile_products(_plane_chunk(PIPELINE, khigh_s, stage, khigh_ptr, kpage, c, G4, NB, NBC),
+                                            b_nb,
+                                            s0, s1, s2, s3, G4, NBC, OFFSET)
+    zq = _heads_vector(gl.sum(zq, axis=0))[None, :]
+    if OFFSET:                                          # s_i + off = w_i * scores_i
+        return (s0 + off + zq, (s1 + off) * (1.0 / OFFSET_W1) + zq, (s2 + off) * (1.0 / OFFSET_W2) + zq,
+                s3 + off + zq)
     return s0 + zq, s1 + zq, s2 + zq, s3 + zq
 
 
 @gluon.jit
 def _offset(acc, b, R: gl.constexpr, K: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr):
-    """acc - M * (b's column sums) on every row (OFFSET; acc unchanged otherwise): one product with a constant
-    operand, cheaper than summing b's rounded values on the side."""
+    """acc - M * (b's column sums) on every row (OFFSET; acc unchanged otherwise)."""
     if OFFSET:
         acc = mma_v2(gl.full([R, K], -OFFSET_MAGIC, DOT, gl.DotOperandLayout(0, _mma(), 2)), b, acc)
     return acc
 
 
 @gluon.jit
-def _token_rows(p0, p1, p2, p3, G: gl.constexpr):
-    """The 4 quarters' (G/4, HEADS) probability tiles -> one (G, HEADS) tile in _cols_layout(G), token t = 32i + j
-    (the value page's token order)."""
-    p = gl.join(gl.join(p0, p1), gl.join(p2, p3))                  # [j, n, b, a] = quarter 2a + b
-    p = gl.reshape(gl.permute(p, [3, 2, 0, 1]), [G, HEADS])
-    return gl.convert_layout(p, _cols_layout(G))
+def _value_products(PIPELINE: gl.constexpr, vbufs, stage, vpage, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2,
+                    acc3, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D: gl.constexpr, G: gl.constexpr,
+                    V_BITS: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr):
+    """The online softmax over a page's 4 score quarters (full pages: no token masked) and value page `vpage`
+    accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
+    (p * scale) (token, head). The sums of p and of p * zero stay (G/4, HEADS) tiles (l_t, z_t), summed over their
+    rows once at the end. Returns the new running max, l_t, z_t and the 4 channel quarters' accumulators."""
+    G4: gl.constexpr = G // 4
+    D4: gl.constexpr = D // 4
+    mma: gl.constexpr = _mma()
+    vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
+    m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
+    alpha = gl.exp2(m_i - m_new)[None, :]
+    l_t = l_t * alpha
+    z_t = z_t * alpha
+    acc0 = acc0 * alpha
+    acc1 = acc1 * alpha
+    acc2 = acc2 * alpha
+    acc3 = acc3 * alpha
+    off = gl.zeros([D4, HEADS], gl.float32, mma)        # OFFSET: -M * (the column sums of every pv), as for keys
+    scores = (s0, s1, s2, s3)
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
+    for i in gl.static_range(4):
+        p = gl.exp2(scores[i] - m_new[None, :])
+        l_t += p
+        vscale = _vector_chunk(PIPELINE, vscale_s, stage, vscale_ptr, vpage, i, G, G4, rows).to(gl.float32)
+        z_t += p * _vector_chunk(PIPELINE, vzero_s, stage, vzero_ptr, vpage, i, G, G4, rows).to(gl.float32)[:, None]
+        pv = _b_operand(gl.convert_layout((p * vscale[:, None]).to(DOT), _cols_layout(G4)), G4)
+        off = _offset(off, pv, D4, G4, DOT, OFFSET)
+        acc0, acc1, acc2, acc3 = _tile_products(_plane_chunk(PIPELINE, vlow_s, stage, vlow_ptr, vpage, i, D4, G, G4),
+                                                pv, acc0, acc1, acc2, acc3, D4, G4, OFFSET)
+        if V_BITS == 4:
+            pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
+            off = _offset(off, pv4, D4, G4, DOT, OFFSET)
+            acc0, acc1, acc2, acc3 = _tile_products(
+                _plane_chunk(PIPELINE, vhigh_s, stage, vhigh_ptr, vpage, i, D4, G, G4), pv4, acc0, acc1, acc2, acc3,
+                D4, G4, OFFSET)
+    if OFFSET:
+        acc0 += off
+        acc1 += off
+        acc2 += off
+        acc3 += off
+    return m_new, l_t, z_t, acc0, acc1, acc2, acc3
+
+
+# ---------------------------------------------------------------------------------------------- slot buffers
+# PIPELINE 1 and 2 copy a slot's tiles ahead into shared memory with cp.async (16 bytes a thread), so that a
+# page's load latency is spent on the previous page's arithmetic. A plane the method does not have (no boosted
+# channels, 2-bit values) gets a buffer of one chunk's shape that nothing reads.
+@gluon.constexpr_function
+def _copy_layout(C):
+    """(rows, C) bytes over a warp's threads for cp.async: 16 contiguous bytes a thread (C >= 16)."""
+    return gl.BlockedLayout([1, 16], [32 // (C // 16), C // 16], [1, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _plane_shared():
+    return gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+
+@gluon.constexpr_function
+def _flat_shared():
+    return gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+
+@gluon.jit
+def _plane_buffer(STAGES: gl.constexpr, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr, PRESENT: gl.constexpr):
+    """Shared memory for STAGES (R, K) code planes, C columns at a time: [STAGES, K / C * R, C], chunk c in rows
+    [c * R, (c + 1) * R)."""
+    return gl.allocate_shared_memory(gl.uint8, _plane_shape(STAGES, R, K, C, PRESENT), _plane_shared())
+
+
+@gluon.constexpr_function
+def _plane_shape(STAGES, R, K, C, PRESENT):
+    return [STAGES, K // C * R, C] if PRESENT else [STAGES, R, 16]
+
+
+@gluon.jit
+def _copy_plane(buf, stage, ptr, page, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr):
+    """cp.async of page `page`'s (R, K) code plane (rows of K bytes) into buffer `stage` of buf (_plane_buffer)."""
+    layout: gl.constexpr = _copy_layout(C)
+    x = gl.arange(0, K // C * R, layout=gl.SliceLayout(1, layout))          # buffer row: chunk x // R, row x % R
+    k = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    offs = (x // R * C + x % R * K)[:, None] + k[None, :]
+    async_copy.async_copy_global_to_shared(buf.index(stage), ptr + page * (R * K) + offs)
+
+
+@gluon.jit
+def _key_buffers(STAGES: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr):
+    """Shared memory for STAGES key pages' tiles: low plane, high plane, boosted channels, scales, zeros."""
+    flat: gl.constexpr = _flat_shared()
+    return (_plane_buffer(STAGES, G // 4, D, KC, True),
+            _plane_buffer(STAGES, G // 4, max(NB, 16), _chunk(max(NB, 16)), NB > 0),
+            gl.allocate_shared_memory(gl.uint8, [STAGES, max(NB, 16)], flat),
+            gl.allocate_shared_memory(gl.float16, [STAGES, D], flat),
+            gl.allocate_shared_memory(gl.float16, [STAGES, D], flat))
+
+
+@gluon.jit
+def _value_buffers(STAGES: gl.constexpr, D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr):
+    """Shared memory for STAGES value pages' tiles: low plane, high plane, scales, zeros."""
+    flat: gl.constexpr = _flat_shared()
+    return (_plane_buffer(STAGES, D // 4, G, G // 4, True), _plane_buffer(STAGES, D // 4, G, G // 4, V_BITS == 4),
+            gl.allocate_shared_memory(gl.float16, [STAGES, G], flat),
+            gl.allocate_shared_memory(gl.float16, [STAGES, G], flat))
+
+
+@gluon.jit
+def _copy_keys(kbufs, stage, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D: gl.constexpr,
+               G: gl.constexpr, NB: gl.constexpr):
+    """cp.async of key page `kpage`'s tiles into buffer `stage` of kbufs (no commit)."""
+    klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
+    _copy_plane(klow_s, stage, klow_ptr, kpage, G // 4, D, KC)
+    _copy_vector(kscale_s.index(stage), kscale_ptr + kpage * D, D, 2)
+    _copy_vector(kzero_s.index(stage), kzero_ptr + kpage * D, D, 2)
+    if NB > 0:
+        _copy_plane(khigh_s, stage, khigh_ptr, kpage, G // 4, NB, _chunk(NB))
+        _copy_vector(ch_s.index(stage), kch_ptr + kpage * NB, NB, 1)
+
+
+@gluon.jit
+def _copy_values(vbufs, stage, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D: gl.constexpr, G: gl.constexpr,
+                 V_BITS: gl.constexpr):
+    """cp.async of value page `vpage`'s tiles into buffer `stage` of vbufs (no commit)."""
+    vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
+    _copy_plane(vlow_s, stage, vlow_ptr, vpage, D // 4, G, G // 4)
+    if V_BITS == 4:
+        _copy_plane(vhigh_s, stage, vhigh_ptr, vpage, D // 4, G, G // 4)
+    _copy_vector(vscale_s.index(stage), vscale_ptr + vpage * G, G, 2)
+    _copy_vector(vzero_s.index(stage), vzero_ptr + vpage * G, G, 2)
+
+
+@gluon.constexpr_function
+def _queries_shared():
+    """(chunks, KC, HEADS) fp32 queries: each head's KC channels contiguous, 16-byte groups XOR-swizzled by head,
+    so that _cols_layout(KC) reads them without bank conflicts."""
+    return gl.SwizzledSharedLayout(4, 1, 8, [0, 1])
+
+
+# triton 3.7 calls gl.thread_barrier (3.6, the H200's version) gl.barrier
+_BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+PIPELINES = (0, 1, 2)
 
 
 @gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART"])
@@ -171,9 +389,13 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr):
+        V_BITS: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr, PIPELINE: gl.constexpr):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
-    _program_blocks split), written as partial (output, max, sum) number `part`."""
+    _program_blocks split), written as partial (output, max, sum) number `part`. PIPELINE 0: a slot's tiles are
+    loaded from global memory when they are used; 1: the next slot's key and value tiles are copied into a second
+    buffer while this slot is computed (two buffers of each); 2: one buffer of each, the next slot's keys copied as
+    soon as this slot's keys are read, its values as soon as this slot's values are read (half a slot ahead, half
+    the shared memory of 1)."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     part = gl.program_id(2)
@@ -184,70 +406,95 @@ def _gluon_paged_kernel(
     start = part * per_split
     end = gl.minimum(start + per_split, n_paged)
 
-    # the group's queries, (D, HEADS) in _cols_layout(D), times qk_scale; heads past the group are zero
-    lay_q: gl.constexpr = _cols_layout(D)
-    heads_q = gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay_q))
-    d = gl.arange(0, D, layout=gl.SliceLayout(1, lay_q))
+    # the group's queries times qk_scale, chunk by chunk into shared memory; heads past the group are zero
+    cols: gl.constexpr = _cols_layout(KC)
+    heads_q = gl.arange(0, HEADS, layout=gl.SliceLayout(0, cols))
     q_rows = q_ptr + ((b * H + h) * GROUP + heads_q[None, :]).to(gl.int64) * D
     hmask_b = heads_q[None, :] < GROUP
-    q_b = gl.load(q_rows + d[:, None], mask=hmask_b, other=0.0).to(gl.float32) * qk_scale
+    q_s = gl.allocate_shared_memory(gl.float32, [D // KC, KC, HEADS], _queries_shared())
+    d = gl.arange(0, KC, layout=gl.SliceLayout(1, cols))
+    for c in gl.static_range(D // KC):
+        q = gl.load(q_rows + c * KC + d[:, None], mask=hmask_b, other=0.0).to(gl.float32) * qk_scale
+        q_s.index(c).store(q)
+    _BARRIER()
 
-    lay_v: gl.constexpr = _cols_layout(G)
-    t = gl.arange(0, G, layout=gl.SliceLayout(1, lay_v))
     mma: gl.constexpr = _mma()
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(0, mma))
-    zacc = gl.zeros([HEADS], gl.float32, gl.SliceLayout(0, lay_v))
+    l_t = gl.zeros([G4, HEADS], gl.float32, mma)
+    z_t = gl.zeros([G4, HEADS], gl.float32, mma)
     acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc3 = gl.zeros([D4, HEADS], gl.float32, mma)
-    for slot in range(start, end):
-        kpage = gl.load(ktab_ptr + b * KMP + slot).to(gl.int64) * H + h
-        vpage = gl.load(vtab_ptr + b * VMP + slot).to(gl.int64) * H + h
-        s0, s1, s2, s3 = _key_scores(q_b, q_rows, hmask_b, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                     kzero_ptr, kpage, D, G4, NB, DOT, OFFSET)
-        # online softmax over the page's 4 quarters (full pages: no token masked)
-        m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        p0 = gl.exp2(s0 - m_new[None, :])
-        p1 = gl.exp2(s1 - m_new[None, :])
-        p2 = gl.exp2(s2 - m_new[None, :])
-        p3 = gl.exp2(s3 - m_new[None, :])
-        l_i = l_i * alpha + gl.sum((p0 + p1) + (p2 + p3), axis=0)
-        m_i = m_new
-        # values: out^T (channel, head) += codes (channel, token) @ (p * scale) (token, head)
-        p = _token_rows(p0, p1, p2, p3, G)
-        vscale = gl.load(vscale_ptr + vpage * G + t).to(gl.float32)
-        vzero = gl.load(vzero_ptr + vpage * G + t).to(gl.float32)
-        alpha_v = gl.convert_layout(alpha, gl.SliceLayout(0, lay_v))
-        zacc = zacc * alpha_v + gl.sum(p * vzero[:, None], axis=0)
-        pv = _b_operand((p * vscale[:, None]).to(DOT), G)
-        alpha_row = alpha[None, :]
-        # OFFSET: the page's -M * (column sums of pv) on every row, so that M + w_i * code leaves w_i * p v
-        init = _offset(gl.zeros([D4, HEADS], gl.float32, mma), pv, D4, G, DOT, OFFSET)
-        if V_BITS == 4:
-            pv4 = _b_operand((p * (4.0 * vscale)[:, None]).to(DOT), G)          # the high bits weigh 4
-            init = _offset(init, pv4, D4, G, DOT, OFFSET)
-            a0, a1, a2, a3 = _unpacked(vhigh_ptr + vpage * (D4 * G), D4, G, OFFSET)
-            acc0, acc1, acc2, acc3 = _products(a0, a1, a2, a3, pv4, acc0 * alpha_row + init,
-                                               acc1 * alpha_row + init, acc2 * alpha_row + init,
-                                               acc3 * alpha_row + init)
-        else:
-            acc0, acc1, acc2, acc3 = (acc0 * alpha_row + init, acc1 * alpha_row + init, acc2 * alpha_row + init,
-                                      acc3 * alpha_row + init)
-        a0, a1, a2, a3 = _unpacked(vlow_ptr + vpage * (D4 * G), D4, G, OFFSET)
-        acc0, acc1, acc2, acc3 = _products(a0, a1, a2, a3, pv, acc0, acc1, acc2, acc3)
+    if PIPELINE == 0:
+        for slot in range(start, end):
+            kpage = gl.load(ktab_ptr + b * KMP + slot).to(gl.int64) * H + h
+            vpage = gl.load(vtab_ptr + b * VMP + slot).to(gl.int64) * H + h
+            s0, s1, s2, s3 = _key_scores(0, (None, None, None, None, None), 0, kpage, q_s, q_rows, hmask_b, qk_scale,
+                                         klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, DOT, OFFSET)
+            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(
+                0, (None, None, None, None), 0, vpage, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3,
+                vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, DOT, OFFSET)
+    else:
+        kbufs = _key_buffers(PIPELINE % 2 + 1, D, G, NB)            # PIPELINE 1: two stages; 2: one
+        vbufs = _value_buffers(PIPELINE % 2 + 1, D, G, V_BITS)
+        kpage = gl.load(ktab_ptr + b * KMP + start, mask=start < end, other=0).to(gl.int64) * H + h
+        vpage = gl.load(vtab_ptr + b * VMP + start, mask=start < end, other=0).to(gl.int64) * H + h
+        if start < end:
+            _copy_keys(kbufs, 0, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
+            async_copy.commit_group()
+            _copy_values(vbufs, 0, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
+            async_copy.commit_group()
+        for slot in range(start, end):
+            more = slot + 1 < end
+            following = gl.minimum(slot + 1, end - 1)
+            kpage_next = gl.load(ktab_ptr + b * KMP + following).to(gl.int64) * H + h
+            vpage_next = gl.load(vtab_ptr + b * VMP + following).to(gl.int64) * H + h
+            if PIPELINE == 1:
+                stage = (slot - start) % 2
+                # this slot's copies are in (both groups); the other buffers' last reads (the slot before) are done
+                async_copy.wait_group(0)
+                _BARRIER()
+                if more:
+                    _copy_keys(kbufs, 1 - stage, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
+                               D, G, NB)
+                    _copy_values(vbufs, 1 - stage, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G,
+                                 V_BITS)
+                async_copy.commit_group()
+            else:
+                stage = 0
+                async_copy.wait_group(1)                # this slot's keys are in (its values may not be)
+                _BARRIER()
+            s0, s1, s2, s3 = _key_scores(PIPELINE, kbufs, stage, kpage, q_s, q_rows, hmask_b, qk_scale, klow_ptr,
+                                         khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, DOT, OFFSET)
+            if PIPELINE == 2:
+                _BARRIER()                              # every lane's key reads are done: refill the key buffer
+                if more:
+                    _copy_keys(kbufs, 0, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
+                async_copy.commit_group()
+                async_copy.wait_group(1)                # this slot's values are in (the next slot's keys may not be)
+                _BARRIER()
+            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(
+                PIPELINE, vbufs, stage, vpage, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, vlow_ptr,
+                vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, DOT, OFFSET)
+            if PIPELINE == 2:
+                _BARRIER()                              # the value reads are done: refill the value buffer
+                if more:
+                    _copy_values(vbufs, 0, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
+                async_copy.commit_group()
+            kpage = kpage_next
+            vpage = vpage_next
+        async_copy.wait_group(0)
 
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
     hmask = heads < GROUP
     idx = ((b * H + h) * GROUP + heads).to(gl.int64) * NPART + part
     gl.store(pm_ptr + idx, m_i, mask=hmask)
-    gl.store(pl_ptr + idx, l_i, mask=hmask)
+    gl.store(pl_ptr + idx, gl.sum(l_t, axis=0), mask=hmask)
     c = gl.arange(0, D4, layout=gl.SliceLayout(1, mma))
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
-    zrow = _heads_vector(zacc)[None, :]
+    zrow = gl.sum(z_t, axis=0)[None, :]
     if OFFSET:                                          # acc_i = w_i * output
         gl.store(out, acc0 + zrow, mask=omask)
         gl.store(out + D4, acc1 * (1.0 / OFFSET_W1) + zrow, mask=omask)
@@ -259,10 +506,37 @@ def _gluon_paged_kernel(
     gl.store(out + 3 * D4, acc3 + zrow, mask=omask)
 
 
-def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
+SHARED_PER_SM = 228 * 1024          # H100 / H200: shared memory of a multiprocessor, and what each program reserves
+SHARED_RESERVED = 1024
+CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one token quarter at a time
+
+
+def shared_bytes(kv: PagedKV, head_dim: int, pipeline: int) -> int:
+    """Shared memory of one program of _gluon_paged_kernel: the queries, the slot buffers of `pipeline` and the
+    conversion scratch (the placeholders of planes the method lacks are never used, and the compiler drops them;
+    tests/test_kernels.py checks this against compiled kernels)."""
+    g, nb, d = kv.page_size, kv.n_boost, head_dim
+    key = g // 4 * (d + nb) + nb + 4 * d
+    value = d // 4 * g * (kv.v_bits // 2) + 4 * g
+    return 32 * d + CONVERT_SCRATCH + {0: 0, 1: 2, 2: 1}[pipeline] * (key + value)
+
+
+def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, pipeline: int) -> int:
+    """One-warp programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers (65,536 per
+    multiprocessor, maxnreg per thread) and by shared memory."""
+    by_registers = 65536 // (32 * maxnreg)
+    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, pipeline) + SHARED_RESERVED)
+    return max(1, min(by_registers, by_shared))
+
+
+def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
+                     pipeline: int = 0) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
-    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials.
-    Also used to compile the kernel for a profile (kernels.sass_profile)."""
+    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
+    pipeline one of PIPELINES (see the kernel). Also used to compile the kernel for a profile
+    (kernels.sass_profile)."""
+    if pipeline not in PIPELINES:
+        raise ValueError(f"unknown Gluon pipeline {pipeline!r}: choose one of {PIPELINES}")
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -270,12 +544,14 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
             kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l, qk_scale,
             kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits,
-                     DOT=gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16, OFFSET=q.dtype == torch.bfloat16)
+                     DOT=gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16, OFFSET=q.dtype == torch.bfloat16,
+                     PIPELINE=pipeline)
     return args, constants
 
 
-def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int) -> None:
+def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
+           pipeline: int = 0) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, pipeline)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

@@ -211,9 +211,12 @@ def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
     arguments given for them."""
     from backend.gpu_report import main, step_commands
     parser_args = type("Args", (), dict(pytest="tests/test_kernels.py -k pdl", tune="--vary pdl --batches 1",
-                                        generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline=None,
-                                        turn="--batch 4", attention="--kernels triton gluon"))
+                                        generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline="old",
+                                        turn="--batch 4", attention="--kernels triton gluon",
+                                        baseline_attention="--kernels gluon --methods kitty-pro"))
     steps = step_commands(parser_args, tmp_path)
+    assert steps["baseline"][0] == ([sys.executable, "-m", "backend.bench", "attention", "--kernels", "gluon",
+                                     "--methods", "kitty-pro", "--out", str(tmp_path / "baseline.json")], "old")
     assert steps["tune"][0][0][-6:] == ["--vary", "pdl", "--batches", "1", "--out", str(tmp_path / "tune.json")]
     assert steps["attention"][0][0][-6:] == ["attention", "--kernels", "triton", "gluon", "--out",
                                               str(tmp_path / "attention.json")]
