@@ -51,10 +51,8 @@ import triton
 import triton.testing
 
 # on a CPU: Triton interpreted
-from kernels.decode_attention import (GLUON_MAXNREG, GLUON_PIPELINE, KERNELS, MAXNREG, DecodeWorkspace,
-                                      decode_attention, default_splits, merge_splits, multiprocessors,
-                                      resident_programs, split_count)
-from kernels.decode_gluon import PIPELINES
+from kernels.decode_attention import (GLUON_MAXNREG, KERNELS, MAXNREG, DecodeWorkspace, decode_attention,
+                                      default_splits, merge_splits, multiprocessors, resident_programs, split_count)
 
 from . import memory
 from .cache import FLUSH_MODES, KittyLayer
@@ -198,21 +196,16 @@ def bench_attention(args) -> dict:
             for method in methods:
                 layer = filled_layer(method, k, v)
                 kv = layer.paged()
-                variants = [(kernel, p) for kernel in args.kernels
-                            for p in (args.pipelines if kernel != "triton" else [GLUON_PIPELINE])]
-                for kernel, pipeline in variants:
-                    run = lambda: decode_attention(q, kv, sm_scale, kernel=kernel, pipeline=pipeline)  # noqa: E731
+                for kernel in args.kernels:
+                    run = lambda: decode_attention(q, kv, sm_scale, kernel=kernel)  # noqa: E731
                     err = (run().float() - reference).abs().max().item()  # vs exact FP16 attention: quantization error
                     seconds = median_seconds(run, args.quick)
                     # the merge of the split programs' partials alone, on the buffers of the call just made
                     workspace = DecodeWorkspace()
-                    decode_attention(q, kv, sm_scale, workspace=workspace, kernel=kernel, pipeline=pipeline)
+                    decode_attention(q, kv, sm_scale, workspace=workspace, kernel=kernel)
                     merge_s = median_seconds(lambda: merge_splits(*workspace.buffers), args.quick)
                     name = method if kernel == "triton" else f"{method}/{kernel}"
-                    if len(args.pipelines) > 1 and kernel != "triton":
-                        name += f"-p{pipeline}"
-                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, pipeline=pipeline,
-                                     us=seconds * 1e6,
+                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, us=seconds * 1e6,
                                      merge_us=merge_s * 1e6, gbs=bytes_read(layer) / seconds / 1e9,
                                      vs_sdpa=sdpa_s / seconds, max_err=err))
                 del layer, kv
@@ -233,7 +226,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "pdl", "pairs", "kernel", "gluon-splits")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "pdl", "pairs", "kernel", "gluon-splits", "gluon-maxnreg")
 
 
 def bench_tune(args) -> dict:
@@ -262,14 +255,12 @@ def bench_tune(args) -> dict:
             # merge launched while the split kernel runs (programmatic dependent launch), and paged slots two at a
             # time (at the cap, and with the compiler's registers: a latency-bound launch has few programs anyway)
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, pdl=False, pairs=False, kernel="triton",
-                        pipeline=GLUON_PIPELINE)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, pdl=False, pairs=False, kernel="triton")
 
-            def gluon(maxnreg, pipeline, quarters=4):
-                """The Gluon kernel at a register cap and pipeline, at quarters / 4 of the split they choose."""
-                own = split_count(q, kv, "gluon", maxnreg, pipeline=pipeline)
-                return {**base, "kernel": "gluon", "maxnreg": maxnreg, "pipeline": pipeline,
-                        "splits": max(1, min(pages, own * quarters // 4))}
+            def gluon(maxnreg, quarters=4):
+                """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
+                own = split_count(q, kv, "gluon", maxnreg)
+                return {**base, "kernel": "gluon", "maxnreg": maxnreg, "splits": max(1, min(pages, own * quarters // 4))}
 
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
@@ -277,19 +268,18 @@ def bench_tune(args) -> dict:
                       "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
                       "pdl": [{**base, "pdl": True}],
                       "pairs": [{**base, "pairs": True, "maxnreg": r} for r in (MAXNREG, 255)],
-                      # the Gluon kernel over the paged blocks with each of its pipelines, at three register caps
-                      # (each at the split of its resident programs), then the cp.async pipelines at half and twice
-                      # that split
-                      "kernel": [gluon(r, p) for p in PIPELINES for r in (128, 168, 255)],
-                      "gluon-splits": [gluon(GLUON_MAXNREG, p, f) for p in PIPELINES[1:] for f in (2, 8)]}
+                      # the Gluon kernel over the paged blocks at its register cap, at half and twice its split, and
+                      # at other caps (resident programs against spills), each at the split its programs choose
+                      "kernel": [gluon(GLUON_MAXNREG)],
+                      "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
+                      "gluon-maxnreg": [gluon(r) for r in (128, 152, 160, 176, 192, 255)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], pdl=setting["pdl"],
-                                               pairs=setting["pairs"], kernel=setting["kernel"],
-                                               pipeline=setting["pipeline"])
+                                               pairs=setting["pairs"], kernel=setting["kernel"])
                 seconds = median_seconds(run, args.quick)
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
@@ -753,8 +743,6 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="*")
     parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=["triton"],
                         help="attention: decode kernels over the paged blocks, each measured (gluon: GPU only)")
-    parser.add_argument("--pipelines", nargs="*", type=int, choices=PIPELINES, default=[GLUON_PIPELINE],
-                        help="attention: the Gluon kernel's pipelines, each measured (kernels/decode_gluon.py)")
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--prompt", type=int, help="generate: prompt tokens; turn: the longest first turn")
     parser.add_argument("--new-tokens", type=int, help="generate: tokens to generate; turn: the next turn's tokens")

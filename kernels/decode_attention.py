@@ -679,39 +679,37 @@ KERNELS = ("auto", "triton", "gluon")
 # The Gluon kernel (decode_gluon.py) spends about 1,860 instructions per page against Triton's 2,420. Its first
 # version, with no software pipelining, won where each program walks many pages (throughput-bound launches: batch
 # 64, batch 8 at 32K, 10-20 % faster) and lost where programs take one or two pages (latency-bound: batch 1, batch
-# 8 at 4K, up to 1.7x slower), measured on the H200 in session 9; "auto" follows that line. Its pipelines
-# (decode_gluon.PIPELINES: 0 loads at use, 1 and 2 copy the next slot ahead with cp.async) are not measured yet.
-GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor (255: fewer programs, slower)
-GLUON_PIPELINE = 0
+# 8 at 4K, up to 1.7x slower), measured on the H200 in session 9; "auto" follows that line. Session 10's version
+# (32-column chunks, pages copied ahead with cp.async) keeps that line: 1.2-1.4x faster than Triton at batch 64 and
+# at batch 8 / 32K, up to 1.5x slower at batch 1 (BENCHMARKS.md section 1).
+GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor (144-160: spills; 176-255: fewer programs)
 MIN_GLUON_PAGES = 4           # pages per program from which "auto" takes the Gluon kernel
 
 
-def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1,
-                pipeline: int = GLUON_PIPELINE) -> int:
-    """default_splits for a launch of `kernel` ("triton" or "gluon") at its register cap (and, for Gluon, the
-    shared memory of its pipeline): one wave of the programs a multiprocessor holds."""
+def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
+    """default_splits for a launch of `kernel` ("triton" or "gluon") at its register cap (and, for Gluon, its
+    shared memory): one wave of the programs a multiprocessor holds."""
     from . import decode_gluon
-    resident = (decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, pipeline) if kernel == "gluon"
+    resident = (decode_gluon.resident_programs(kv, q.shape[-1], maxnreg) if kernel == "gluon"
                 else resident_programs(maxnreg, num_warps))
     return default_splits(q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device),
                           resident)
 
 
-def choose_kernel(q: torch.Tensor, kv: PagedKV, num_splits: int | None, num_warps: int = 1,
-                  pipeline: int = GLUON_PIPELINE) -> str:
+def choose_kernel(q: torch.Tensor, kv: PagedKV, num_splits: int | None, num_warps: int = 1) -> str:
     """decode_attention(kernel="auto")'s choice: "gluon" for a launch it supports (decode_gluon.supports: a GPU,
     16-bit queries, tileable pages) whose programs take MIN_GLUON_PAGES pages or more each, else "triton"."""
     from . import decode_gluon
     if num_warps != 1 or not decode_gluon.supports(q, kv):
         return "triton"
-    splits = num_splits or split_count(q, kv, "gluon", GLUON_MAXNREG, pipeline=pipeline)
+    splits = num_splits or split_count(q, kv, "gluon", GLUON_MAXNREG)
     return "gluon" if max(1, kv.k_table.shape[1]) >= MIN_GLUON_PAGES * splits else "triton"
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, pdl: bool = False, pairs: bool = False,
-                     kernel: str = "auto", pipeline: int = GLUON_PIPELINE) -> torch.Tensor:
+                     kernel: str = "auto") -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: split_count);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
@@ -723,30 +721,28 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     ahead of the first page's softmax and values (an experiment for latency-bound launches, not yet measured:
     `python -m backend.bench tune --vary pairs`). kernel: the paged blocks' kernel, "triton", "gluon"
     (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto" (choose_kernel); with
-    Gluon, the Triton kernel still runs the remaining blocks (sink, buffers), maxnreg caps the Gluon kernel and
-    pipeline is how its slots' tiles reach registers (decode_gluon.PIPELINES)."""
+    Gluon, the Triton kernel still runs the remaining blocks (sink, buffers) and maxnreg caps the Gluon kernel."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
     if kernel == "auto":
-        kernel = choose_kernel(q, kv, num_splits, num_warps, pipeline)
+        kernel = choose_kernel(q, kv, num_splits, num_warps)
     elif kernel == "gluon":
         from . import decode_gluon
         kernel = "gluon" if decode_gluon.supports(q, kv) else "triton"
     if maxnreg is None:
         maxnreg = GLUON_MAXNREG if kernel == "gluon" else MAXNREG
     if num_splits is None:
-        num_splits = split_count(q, kv, kernel, maxnreg, num_warps, pipeline)
+        num_splits = split_count(q, kv, kernel, maxnreg, num_warps)
     num_parts = num_splits + remaining_blocks(kv)
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
     first = num_splits if kernel == "gluon" else 0
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, first)
     if kernel == "gluon":
         from . import decode_gluon
-        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg,
-                            pipeline)
+        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg)
         maxnreg = MAXNREG
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     pdl = pdl and pdl_supported(q.device)

@@ -5,15 +5,19 @@ it to tl.dot, which moves it through shared memory into the matrix unit's operan
 instructions per page). Here the layouts are explicit (Gluon), and the page layout is read as it is:
 
 - The contraction over a tile's columns (channels of a key page, tokens of a value page) does not care in which
-  order the columns are summed, as long as both operands use the same order. Each thread loads a row's bytes in
-  one contiguous run (K/4 bytes: 16-byte loads) and those bytes are declared to BE the columns the mma.sync
-  fragment gives that thread: column k' = 16t + 8h + 2c + e of the operand is byte 4t + 2h + e of thread c's run
-  (`_operand_order`, a reshape and a permute that `convert_layout(..., assert_trivial=True)` proves cost nothing).
-  The other operand (queries times scales, or probabilities times scales) gets the same order the same way.
-- A 32-bit word of codes becomes the bf16 operands of 4 quarters with one lop3 per pair (`unpack_asm`, shared
-  with the Triton kernel), and the scale / zero / magic-number algebra is the Triton kernel's (see its docstring).
+  order the columns are summed, as long as both operands use the same order. Each thread reads a chunk row's bytes
+  in one contiguous run and those bytes are declared to BE the columns the mma.sync fragment gives that thread:
+  column k' = 16t + 8h + 2c + e of the operand is byte 4t + 2h + e of thread c's run (`_a_operand`, a reshape and a
+  permute that `convert_layout(..., assert_trivial=True)` proves cost nothing). The other operand (queries times
+  scales, or probabilities times scales) gets the same order the same way (`_b_operand`).
+- A 32-bit word of codes becomes the 16-bit operands of a quarter with one lop3 per pair (`quarter_asm`, shared
+  with the Triton kernel's unpacking), and the scale / zero / magic-number algebra is the Triton kernel's.
+- A page is taken 32 columns at a time (keys: a channel chunk, all 4 token quarters; values: one token quarter,
+  all 4 channel quarters), so that one chunk's codes are live at once.
+- Pages arrive by cp.async into one shared-memory buffer per kind, each refilled with the next slot's page as soon
+  as this slot has read it: a page's load latency is spent on half a page of arithmetic.
 - Scores leave the key product as (token, head) accumulator tiles; the probabilities go to the value product's
-  (token, head) operand through one layout conversion per page (the only shared-memory use).
+  (token, head) operand through one layout conversion per token quarter.
 
 One warp per program, as in the Triton kernel, with the same split of paged slots over NSPLIT programs per
 (sequence, KV head) and the same partial outputs; the Triton kernel runs the remaining blocks (sink, buffers) in a
@@ -143,8 +147,8 @@ def _heads_vector(x):
 # ---------------------------------------------------------------------------------------------- one paged slot
 # A slot is computed 32 columns of a plane at a time (KC: a key page's channels, or one token quarter of a value
 # page), so that only one chunk's codes are unpacked and live at once: with whole tiles the kernel wanted 220-240
-# registers and spilled at its cap. A chunk's tiles come from global memory (PIPELINE 0) or from the slot's
-# shared-memory buffer, where each plane is stored chunk by chunk ([chunks, rows, KC] bytes: conflict-free reads).
+# registers and spilled at its cap. A slot's tiles are read from its shared-memory buffers, where each plane is
+# stored chunk by chunk ([chunks, rows, columns] bytes: conflict-free reads of a chunk).
 KC = gl.constexpr(32)
 
 
@@ -155,40 +159,19 @@ def _chunk(K):
 
 
 @gluon.jit
-def _plane_chunk(PIPELINE: gl.constexpr, buf, stage, ptr, page, c, R: gl.constexpr, K: gl.constexpr,
-                 C: gl.constexpr):
-    """Chunk c (columns [c * C, (c + 1) * C)) of the (R, K) code plane of page `page`, in _rows_layout(C)."""
-    if PIPELINE == 0:
-        layout: gl.constexpr = _rows_layout(C)
-        r = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-        k = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
-        return gl.load(ptr + page * (R * K) + c * C + r[:, None] * K + k[None, :])
-    else:
-        return buf.index(stage).slice(c * R, R).load(_rows_layout(C))
-
-
-@gluon.jit
-def _vector_chunk(PIPELINE: gl.constexpr, buf, stage, ptr, page, c, N: gl.constexpr, C: gl.constexpr, layout):
-    """Elements [c * C, (c + 1) * C) of the (N,) vector of page `page` (scales, zeros, boosted channels) in
-    `layout`."""
-    if PIPELINE == 0:
-        x = gl.load(ptr + page * N + c * C + gl.arange(0, C, layout=layout))
-    else:
-        x = buf.index(stage).slice(c * C, C).load(layout)
-    return x
-
-
-@gluon.jit
-def _key_scores(PIPELINE: gl.constexpr, kbufs, stage, kpage, q_s, q_rows, hmask_b, qk_scale, klow_ptr, khigh_ptr,
-                kch_ptr, kscale_ptr, kzero_ptr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-                DOT: gl.constexpr, OFFSET: gl.constexpr):
-    """Scores (log2 units) of the 4 token quarters of key page `kpage`, (G/4 tokens, HEADS) accumulator tiles.
-    q_s: the group's queries times qk_scale in shared memory, (D/KC, KC, HEADS); q_rows / hmask_b: (1, HEADS)
-    pointers to the query rows and the real heads, for the boosted channels' gather."""
+def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
+                NB: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr):
+    """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
+    accumulator tiles. q_s: the group's queries times qk_scale in shared memory, (D/KC, KC, HEADS); q_rows /
+    hmask_b: (1, HEADS) pointers to the query rows and the real heads, for the boosted channels' gather."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
+    vec: gl.constexpr = gl.SliceLayout(1, cols)
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
+    if NB > 0 and NB <= 32:
+        # one chunk of boosted channels: its gathers first, so that their latency is spent on the low plane
+        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D, NB, DOT)
     s0 = gl.zeros([G4, HEADS], gl.float32, mma)
     s1 = gl.zeros([G4, HEADS], gl.float32, mma)
     s2 = gl.zeros([G4, HEADS], gl.float32, mma)
@@ -199,33 +182,37 @@ def _key_scores(PIPELINE: gl.constexpr, kbufs, stage, kpage, q_s, q_rows, hmask_
     zq = gl.zeros([KC, HEADS], gl.float32, cols)                 # sum_d q_d * zero_d, folded over chunks at the end
     for c in gl.static_range(D // KC):
         q = q_s.index(c).load(cols)
-        scale = _vector_chunk(PIPELINE, kscale_s, stage, kscale_ptr, kpage, c, D, KC, gl.SliceLayout(1, cols))
-        zero = _vector_chunk(PIPELINE, kzero_s, stage, kzero_ptr, kpage, c, D, KC, gl.SliceLayout(1, cols))
-        zq += q * zero.to(gl.float32)[:, None]
-        b = _b_operand((q * scale.to(gl.float32)[:, None]).to(DOT), KC)
+        zq += q * kzero_s.slice(c * KC, KC).load(vec).to(gl.float32)[:, None]
+        b = _b_operand((q * kscale_s.slice(c * KC, KC).load(vec).to(gl.float32)[:, None]).to(DOT), KC)
         off = _offset(off, b, G4, KC, DOT, OFFSET)
-        s0, s1, s2, s3 = _tile_products(_plane_chunk(PIPELINE, klow_s, stage, klow_ptr, kpage, c, G4, D, KC), b,
-                                        s0, s1, s2, s3, G4, KC, OFFSET)
+        s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC,
+                                        OFFSET)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         NBC: gl.constexpr = _chunk(NB)
-        lay_nb: gl.constexpr = _cols_layout(NBC)
         for c in gl.static_range(NB // NBC):
-            ch = _vector_chunk(PIPELINE, ch_s, stage, kch_ptr, kpage, c, NB, NBC, gl.SliceLayout(1, lay_nb))
-            ch = ch.to(gl.int32)                                                 # uint8 -> int32: exact
-            ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
-            q_ch = gl.load(gl.convert_layout(q_rows, lay_nb) + ch[:, None], mask=gl.convert_layout(hmask_b, lay_nb),
-                           other=0.0)
-            b_nb = _b_operand((q_ch.to(gl.float32) * qk_scale * (4.0 * ch_scale)[:, None]).to(DOT), NBC)
+            if NB > 32:
+                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D, NBC, DOT)
             off = _offset(off, b_nb, G4, NBC, DOT, OFFSET)
-            s0, s1, s2, s3 = _tile_products(_plane_chunk(PIPELINE, khigh_s, stage, khigh_ptr, kpage, c, G4, NB, NBC),
-                                            b_nb,
-                                            s0, s1, s2, s3, G4, NBC, OFFSET)
+            s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
+                                            G4, NBC, OFFSET)
     zq = _heads_vector(gl.sum(zq, axis=0))[None, :]
     if OFFSET:                                          # s_i + off = w_i * scores_i
         return (s0 + off + zq, (s1 + off) * (1.0 / OFFSET_W1) + zq, (s2 + off) * (1.0 / OFFSET_W2) + zq,
                 s3 + off + zq)
     return s0 + zq, s1 + zq, s2 + zq, s3 + zq
+
+
+@gluon.jit
+def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr,
+                     DOT: gl.constexpr):
+    """The second operand of boosted-channel chunk c: 4 * q_ch * scale_ch * qk_scale (NBC, HEADS), gathered from the
+    query rows and the page's scales in global memory (L1 / L2)."""
+    lay: gl.constexpr = _cols_layout(NBC)
+    ch = ch_s.slice(c * NBC, NBC).load(gl.SliceLayout(1, lay)).to(gl.int32)
+    ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
+    q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None], mask=gl.convert_layout(hmask_b, lay), other=0.0)
+    return _b_operand((q_ch.to(gl.float32) * qk_scale * (4.0 * ch_scale)[:, None]).to(DOT), NBC)
 
 
 @gluon.jit
@@ -237,11 +224,10 @@ def _offset(acc, b, R: gl.constexpr, K: gl.constexpr, DOT: gl.constexpr, OFFSET:
 
 
 @gluon.jit
-def _value_products(PIPELINE: gl.constexpr, vbufs, stage, vpage, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2,
-                    acc3, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D: gl.constexpr, G: gl.constexpr,
-                    V_BITS: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr):
-    """The online softmax over a page's 4 score quarters (full pages: no token masked) and value page `vpage`
-    accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
+def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
+                    G: gl.constexpr, V_BITS: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr):
+    """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
+    vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
     (p * scale) (token, head). The sums of p and of p * zero stay (G/4, HEADS) tiles (l_t, z_t), summed over their
     rows once at the end. Returns the new running max, l_t, z_t and the 4 channel quarters' accumulators."""
     G4: gl.constexpr = G // 4
@@ -262,18 +248,17 @@ def _value_products(PIPELINE: gl.constexpr, vbufs, stage, vpage, s0, s1, s2, s3,
     for i in gl.static_range(4):
         p = gl.exp2(scores[i] - m_new[None, :])
         l_t += p
-        vscale = _vector_chunk(PIPELINE, vscale_s, stage, vscale_ptr, vpage, i, G, G4, rows).to(gl.float32)
-        z_t += p * _vector_chunk(PIPELINE, vzero_s, stage, vzero_ptr, vpage, i, G, G4, rows).to(gl.float32)[:, None]
-        pv = _b_operand(gl.convert_layout((p * vscale[:, None]).to(DOT), _cols_layout(G4)), G4)
+        z_t += p * vzero_s.slice(i * G4, G4).load(rows).to(gl.float32)[:, None]
+        pv = (p * vscale_s.slice(i * G4, G4).load(rows).to(gl.float32)[:, None]).to(DOT)
+        pv = _b_operand(gl.convert_layout(pv, _cols_layout(G4)), G4)
         off = _offset(off, pv, D4, G4, DOT, OFFSET)
-        acc0, acc1, acc2, acc3 = _tile_products(_plane_chunk(PIPELINE, vlow_s, stage, vlow_ptr, vpage, i, D4, G, G4),
-                                                pv, acc0, acc1, acc2, acc3, D4, G4, OFFSET)
+        acc0, acc1, acc2, acc3 = _tile_products(vlow_s.slice(i * D4, D4).load(_rows_layout(G4)), pv, acc0, acc1, acc2,
+                                                acc3, D4, G4, OFFSET)
         if V_BITS == 4:
             pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
             off = _offset(off, pv4, D4, G4, DOT, OFFSET)
-            acc0, acc1, acc2, acc3 = _tile_products(
-                _plane_chunk(PIPELINE, vhigh_s, stage, vhigh_ptr, vpage, i, D4, G, G4), pv4, acc0, acc1, acc2, acc3,
-                D4, G4, OFFSET)
+            acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4, acc0, acc1,
+                                                    acc2, acc3, D4, G4, OFFSET)
     if OFFSET:
         acc0 += off
         acc1 += off
@@ -283,15 +268,11 @@ def _value_products(PIPELINE: gl.constexpr, vbufs, stage, vpage, s0, s1, s2, s3,
 
 
 # ---------------------------------------------------------------------------------------------- slot buffers
-# PIPELINE 1 and 2 copy a slot's tiles ahead into shared memory with cp.async (16 bytes a thread), so that a
-# page's load latency is spent on the previous page's arithmetic. A plane the method does not have (no boosted
-# channels, 2-bit values) gets a buffer of one chunk's shape that nothing reads.
-@gluon.constexpr_function
-def _copy_layout(C):
-    """(rows, C) bytes over a warp's threads for cp.async: 16 contiguous bytes a thread (C >= 16)."""
-    return gl.BlockedLayout([1, 16], [32 // (C // 16), C // 16], [1, 1], [1, 0])
-
-
+# A slot's tiles are copied into one buffer per kind with cp.async (16 bytes a thread): the next slot's keys as soon
+# as this slot's keys are read, its values as soon as this slot's values are read, so that a page's load latency is
+# spent on half a page of arithmetic (a second buffer of each, a whole slot ahead, measured slower: it halves the
+# programs shared memory allows; BENCHMARKS.md section 1, session 10). A plane the method does not have (no boosted
+# channels, 2-bit values) gets a placeholder that nothing reads, which the compiler drops.
 @gluon.constexpr_function
 def _plane_shared():
     return gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -302,71 +283,78 @@ def _flat_shared():
     return gl.SwizzledSharedLayout(1, 1, 1, [0])
 
 
-@gluon.jit
-def _plane_buffer(STAGES: gl.constexpr, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr, PRESENT: gl.constexpr):
-    """Shared memory for STAGES (R, K) code planes, C columns at a time: [STAGES, K / C * R, C], chunk c in rows
-    [c * R, (c + 1) * R)."""
-    return gl.allocate_shared_memory(gl.uint8, _plane_shape(STAGES, R, K, C, PRESENT), _plane_shared())
+@gluon.constexpr_function
+def _plane_shape(R, K, C, PRESENT):
+    """A chunked plane's buffer: [K / C * R, C] bytes, chunk c in rows [c * R, (c + 1) * R)."""
+    return [K // C * R, C] if PRESENT else [R, 16]
 
 
 @gluon.constexpr_function
-def _plane_shape(STAGES, R, K, C, PRESENT):
-    return [STAGES, K // C * R, C] if PRESENT else [STAGES, R, 16]
+def _copy_layout(CH, R, C):
+    """A [CH, R, C] chunked plane over a warp for cp.async, in the page's own byte order: a thread's 16 bytes, then
+    the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16)."""
+    tk = C // 16
+    tc = min(CH, 32 // tk)
+    return gl.BlockedLayout([1, 1, 16], [tc, 32 // (tk * tc), tk], [1, 1, 1], [2, 0, 1])
 
 
 @gluon.jit
-def _copy_plane(buf, stage, ptr, page, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr):
-    """cp.async of page `page`'s (R, K) code plane (rows of K bytes) into buffer `stage` of buf (_plane_buffer)."""
-    layout: gl.constexpr = _copy_layout(C)
-    x = gl.arange(0, K // C * R, layout=gl.SliceLayout(1, layout))          # buffer row: chunk x // R, row x % R
-    k = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
-    offs = (x // R * C + x % R * K)[:, None] + k[None, :]
-    async_copy.async_copy_global_to_shared(buf.index(stage), ptr + page * (R * K) + offs)
+def _copy_plane(buf, ptr, page, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr):
+    """cp.async of page `page`'s (R, K) code plane (rows of K bytes) into buf, a chunked plane (_plane_shape)."""
+    layout: gl.constexpr = _copy_layout(K // C, R, C)
+    chunks = buf._reinterpret(gl.uint8, [K // C, R, C], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    c = gl.arange(0, K // C, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+    r = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    k = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+    offs = c[:, None, None] * C + r[None, :, None] * K + k[None, None, :]
+    async_copy.async_copy_global_to_shared(chunks, ptr + page * (R * K) + offs)
 
 
 @gluon.jit
-def _key_buffers(STAGES: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr):
-    """Shared memory for STAGES key pages' tiles: low plane, high plane, boosted channels, scales, zeros."""
+def _key_buffers(D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr):
+    """Shared memory for a key page's tiles: low plane, high plane, boosted channels, scales, zeros."""
     flat: gl.constexpr = _flat_shared()
-    return (_plane_buffer(STAGES, G // 4, D, KC, True),
-            _plane_buffer(STAGES, G // 4, max(NB, 16), _chunk(max(NB, 16)), NB > 0),
-            gl.allocate_shared_memory(gl.uint8, [STAGES, max(NB, 16)], flat),
-            gl.allocate_shared_memory(gl.float16, [STAGES, D], flat),
-            gl.allocate_shared_memory(gl.float16, [STAGES, D], flat))
+    return (gl.allocate_shared_memory(gl.uint8, _plane_shape(G // 4, D, KC, True), _plane_shared()),
+            gl.allocate_shared_memory(gl.uint8, _plane_shape(G // 4, NB, _chunk(max(NB, 16)), NB > 0),
+                                      _plane_shared()),
+            gl.allocate_shared_memory(gl.uint8, [max(NB, 16)], flat),
+            gl.allocate_shared_memory(gl.float16, [D], flat),
+            gl.allocate_shared_memory(gl.float16, [D], flat))
 
 
 @gluon.jit
-def _value_buffers(STAGES: gl.constexpr, D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr):
-    """Shared memory for STAGES value pages' tiles: low plane, high plane, scales, zeros."""
+def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr):
+    """Shared memory for a value page's tiles: low plane, high plane, scales, zeros."""
     flat: gl.constexpr = _flat_shared()
-    return (_plane_buffer(STAGES, D // 4, G, G // 4, True), _plane_buffer(STAGES, D // 4, G, G // 4, V_BITS == 4),
-            gl.allocate_shared_memory(gl.float16, [STAGES, G], flat),
-            gl.allocate_shared_memory(gl.float16, [STAGES, G], flat))
+    return (gl.allocate_shared_memory(gl.uint8, _plane_shape(D // 4, G, G // 4, True), _plane_shared()),
+            gl.allocate_shared_memory(gl.uint8, _plane_shape(D // 4, G, G // 4, V_BITS == 4), _plane_shared()),
+            gl.allocate_shared_memory(gl.float16, [G], flat),
+            gl.allocate_shared_memory(gl.float16, [G], flat))
 
 
 @gluon.jit
-def _copy_keys(kbufs, stage, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D: gl.constexpr,
+def _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D: gl.constexpr,
                G: gl.constexpr, NB: gl.constexpr):
-    """cp.async of key page `kpage`'s tiles into buffer `stage` of kbufs (no commit)."""
+    """cp.async of key page `kpage`'s tiles into kbufs, committed as one group."""
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
-    _copy_plane(klow_s, stage, klow_ptr, kpage, G // 4, D, KC)
-    _copy_vector(kscale_s.index(stage), kscale_ptr + kpage * D, D, 2)
-    _copy_vector(kzero_s.index(stage), kzero_ptr + kpage * D, D, 2)
+    _copy_plane(klow_s, klow_ptr, kpage, G // 4, D, KC)
+    _copy_vector(kscale_s, kscale_ptr + kpage * D, D, 2)
+    _copy_vector(kzero_s, kzero_ptr + kpage * D, D, 2)
     if NB > 0:
-        _copy_plane(khigh_s, stage, khigh_ptr, kpage, G // 4, NB, _chunk(NB))
-        _copy_vector(ch_s.index(stage), kch_ptr + kpage * NB, NB, 1)
+        _copy_plane(khigh_s, khigh_ptr, kpage, G // 4, NB, _chunk(NB))
+        _copy_vector(ch_s, kch_ptr + kpage * NB, NB, 1)
 
 
 @gluon.jit
-def _copy_values(vbufs, stage, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D: gl.constexpr, G: gl.constexpr,
+def _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D: gl.constexpr, G: gl.constexpr,
                  V_BITS: gl.constexpr):
-    """cp.async of value page `vpage`'s tiles into buffer `stage` of vbufs (no commit)."""
+    """cp.async of value page `vpage`'s tiles into vbufs."""
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    _copy_plane(vlow_s, stage, vlow_ptr, vpage, D // 4, G, G // 4)
+    _copy_plane(vlow_s, vlow_ptr, vpage, D // 4, G, G // 4)
     if V_BITS == 4:
-        _copy_plane(vhigh_s, stage, vhigh_ptr, vpage, D // 4, G, G // 4)
-    _copy_vector(vscale_s.index(stage), vscale_ptr + vpage * G, G, 2)
-    _copy_vector(vzero_s.index(stage), vzero_ptr + vpage * G, G, 2)
+        _copy_plane(vhigh_s, vhigh_ptr, vpage, D // 4, G, G // 4)
+    _copy_vector(vscale_s, vscale_ptr + vpage * G, G, 2)
+    _copy_vector(vzero_s, vzero_ptr + vpage * G, G, 2)
 
 
 @gluon.constexpr_function
@@ -378,7 +366,6 @@ def _queries_shared():
 
 # triton 3.7 calls gl.thread_barrier (3.6, the H200's version) gl.barrier
 _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-PIPELINES = (0, 1, 2)
 
 
 @gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART"])
@@ -389,13 +376,9 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr, PIPELINE: gl.constexpr):
+        V_BITS: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
-    _program_blocks split), written as partial (output, max, sum) number `part`. PIPELINE 0: a slot's tiles are
-    loaded from global memory when they are used; 1: the next slot's key and value tiles are copied into a second
-    buffer while this slot is computed (two buffers of each); 2: one buffer of each, the next slot's keys copied as
-    soon as this slot's keys are read, its values as soon as this slot's values are read (half a slot ahead, half
-    the shared memory of 1)."""
+    _program_blocks split), written as partial (output, max, sum) number `part`."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     part = gl.program_id(2)
@@ -405,6 +388,21 @@ def _gluon_paged_kernel(
     per_split = gl.cdiv(n_paged, NSPLIT)
     start = part * per_split
     end = gl.minimum(start + per_split, n_paged)
+    last = gl.maximum(end - 1, 0)
+    ktab = ktab_ptr + b * KMP
+    vtab = vtab_ptr + b * VMP
+    kbufs = _key_buffers(D, G, NB)
+    vbufs = _value_buffers(D, G, V_BITS)
+    kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
+    vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
+    if start < end:
+        _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
+        async_copy.commit_group()
+        _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
+        async_copy.commit_group()
+    # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use
+    kpage_next = gl.load(ktab + gl.minimum(start + 1, last)).to(gl.int64) * H + h
+    vpage_next = gl.load(vtab + gl.minimum(start + 1, last)).to(gl.int64) * H + h
 
     # the group's queries times qk_scale, chunk by chunk into shared memory; heads past the group are zero
     cols: gl.constexpr = _cols_layout(KC)
@@ -416,7 +414,6 @@ def _gluon_paged_kernel(
     for c in gl.static_range(D // KC):
         q = gl.load(q_rows + c * KC + d[:, None], mask=hmask_b, other=0.0).to(gl.float32) * qk_scale
         q_s.index(c).store(q)
-    _BARRIER()
 
     mma: gl.constexpr = _mma()
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
@@ -426,65 +423,29 @@ def _gluon_paged_kernel(
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc3 = gl.zeros([D4, HEADS], gl.float32, mma)
-    if PIPELINE == 0:
-        for slot in range(start, end):
-            kpage = gl.load(ktab_ptr + b * KMP + slot).to(gl.int64) * H + h
-            vpage = gl.load(vtab_ptr + b * VMP + slot).to(gl.int64) * H + h
-            s0, s1, s2, s3 = _key_scores(0, (None, None, None, None, None), 0, kpage, q_s, q_rows, hmask_b, qk_scale,
-                                         klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, DOT, OFFSET)
-            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(
-                0, (None, None, None, None), 0, vpage, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3,
-                vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, DOT, OFFSET)
-    else:
-        kbufs = _key_buffers(PIPELINE % 2 + 1, D, G, NB)            # PIPELINE 1: two stages; 2: one
-        vbufs = _value_buffers(PIPELINE % 2 + 1, D, G, V_BITS)
-        kpage = gl.load(ktab_ptr + b * KMP + start, mask=start < end, other=0).to(gl.int64) * H + h
-        vpage = gl.load(vtab_ptr + b * VMP + start, mask=start < end, other=0).to(gl.int64) * H + h
-        if start < end:
-            _copy_keys(kbufs, 0, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
-            async_copy.commit_group()
-            _copy_values(vbufs, 0, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
-            async_copy.commit_group()
-        for slot in range(start, end):
-            more = slot + 1 < end
-            following = gl.minimum(slot + 1, end - 1)
-            kpage_next = gl.load(ktab_ptr + b * KMP + following).to(gl.int64) * H + h
-            vpage_next = gl.load(vtab_ptr + b * VMP + following).to(gl.int64) * H + h
-            if PIPELINE == 1:
-                stage = (slot - start) % 2
-                # this slot's copies are in (both groups); the other buffers' last reads (the slot before) are done
-                async_copy.wait_group(0)
-                _BARRIER()
-                if more:
-                    _copy_keys(kbufs, 1 - stage, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
-                               D, G, NB)
-                    _copy_values(vbufs, 1 - stage, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G,
-                                 V_BITS)
-                async_copy.commit_group()
-            else:
-                stage = 0
-                async_copy.wait_group(1)                # this slot's keys are in (its values may not be)
-                _BARRIER()
-            s0, s1, s2, s3 = _key_scores(PIPELINE, kbufs, stage, kpage, q_s, q_rows, hmask_b, qk_scale, klow_ptr,
-                                         khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, DOT, OFFSET)
-            if PIPELINE == 2:
-                _BARRIER()                              # every lane's key reads are done: refill the key buffer
-                if more:
-                    _copy_keys(kbufs, 0, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
-                async_copy.commit_group()
-                async_copy.wait_group(1)                # this slot's values are in (the next slot's keys may not be)
-                _BARRIER()
-            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(
-                PIPELINE, vbufs, stage, vpage, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, vlow_ptr,
-                vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, DOT, OFFSET)
-            if PIPELINE == 2:
-                _BARRIER()                              # the value reads are done: refill the value buffer
-                if more:
-                    _copy_values(vbufs, 0, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
-                async_copy.commit_group()
-            kpage = kpage_next
-            vpage = vpage_next
-        async_copy.wait_group(0)
+    for slot in range(start, end):
+        more = slot + 1 < end
+        kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
+        vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
+        async_copy.wait_group(1)                    # this slot's keys are in (its values may not be)
+        _BARRIER()                                  # ... for every lane (and, the first time, the queries)
+        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D, G, NB, DOT, OFFSET)
+        _BARRIER()                                  # every lane's key reads are done: refill the key buffer
+        if more:
+            _copy_keys(kbufs, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
+        async_copy.commit_group()
+        async_copy.wait_group(1)                    # this slot's values are in (the next slot's keys may not be)
+        _BARRIER()
+        m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1,
+                                                                acc2, acc3, D, G, V_BITS, DOT, OFFSET)
+        _BARRIER()                                  # the value reads are done: refill the value buffer
+        if more:
+            _copy_values(vbufs, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
+        async_copy.commit_group()
+        kpage = kpage_next
+        kpage_next = kpage_after
+        vpage_next = vpage_after
+    async_copy.wait_group(0)
 
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
     hmask = heads < GROUP
@@ -511,32 +472,28 @@ SHARED_RESERVED = 1024
 CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one token quarter at a time
 
 
-def shared_bytes(kv: PagedKV, head_dim: int, pipeline: int) -> int:
-    """Shared memory of one program of _gluon_paged_kernel: the queries, the slot buffers of `pipeline` and the
-    conversion scratch (the placeholders of planes the method lacks are never used, and the compiler drops them;
+def shared_bytes(kv: PagedKV, head_dim: int) -> int:
+    """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers and the conversion
+    scratch (the placeholders of planes the method lacks are never used, and the compiler drops them;
     tests/test_kernels.py checks this against compiled kernels)."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + nb + 4 * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
-    return 32 * d + CONVERT_SCRATCH + {0: 0, 1: 2, 2: 1}[pipeline] * (key + value)
+    return 32 * d + CONVERT_SCRATCH + key + value
 
 
-def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, pipeline: int) -> int:
+def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     """One-warp programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers (65,536 per
     multiprocessor, maxnreg per thread) and by shared memory."""
     by_registers = 65536 // (32 * maxnreg)
-    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, pipeline) + SHARED_RESERVED)
+    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim) + SHARED_RESERVED)
     return max(1, min(by_registers, by_shared))
 
 
-def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
-                     pipeline: int = 0) -> tuple[tuple, dict]:
+def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
-    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    pipeline one of PIPELINES (see the kernel). Also used to compile the kernel for a profile
-    (kernels.sass_profile)."""
-    if pipeline not in PIPELINES:
-        raise ValueError(f"unknown Gluon pipeline {pipeline!r}: choose one of {PIPELINES}")
+    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials.
+    Also used to compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -544,14 +501,12 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
             kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l, qk_scale,
             kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits,
-                     DOT=gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16, OFFSET=q.dtype == torch.bfloat16,
-                     PIPELINE=pipeline)
+                     DOT=gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16, OFFSET=q.dtype == torch.bfloat16)
     return args, constants
 
 
-def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           pipeline: int = 0) -> None:
+def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, pipeline)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

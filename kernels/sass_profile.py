@@ -69,7 +69,7 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90, maxnreg: int = 255, pipeline: int = 0):
+                         splits: int = 16, arch: int = 90, maxnreg: int = 255):
     """The Gluon kernel of decode_attention(kernel="gluon") for the same example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -78,7 +78,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, pipeline)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits)
     return _compile(GluonASTSource, _gluon_paged_kernel, args, constants, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
@@ -153,8 +153,6 @@ def main(argv=None) -> int:
                         help="paged slots two at a time (decode_attention's pairs): the loop counts are then per two pages")
     parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
                         help="decode_attention's kernel over the paged blocks (gluon: kernels/decode_gluon.py)")
-    parser.add_argument("--pipeline", type=int, default=0, choices=(0, 1, 2),
-                        help="gluon: how a slot's tiles reach registers (decode_gluon's PIPELINES)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
     args = parser.parse_args(argv)
@@ -165,8 +163,7 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         if args.kernel == "gluon":
-            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
-                                            pipeline=args.pipeline)
+            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg, pairs=args.pairs)
