@@ -18,7 +18,7 @@ from .model import DEFAULT_MODEL, load_model
 
 def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool | None = None,
                record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
-               flush: str = "auto", **settings) -> KittyCache:
+               flush: str = "auto", decode_kernel: str = "auto", **settings) -> KittyCache:
     """A fresh cache for one generation. `method` is a preset name (METHODS), "custom", or a CacheConfig;
     keyword settings (k_bits, v_bits, sink, page_size, local_window, alpha, selection, seed) override it.
 
@@ -35,11 +35,15 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     order); Triton also on a CPU (interpreted), whatever use_triton says. "auto" (default): fused for a cache on a
     GPU unless use_triton=False, torch otherwise. Random and query-aware channel selection always take the torch
     path.
+    decode_kernel: the decode-attention kernel over a GPU cache's pages (kernels.decode_attention): "triton",
+    "gluon" (kernels/decode_gluon.py; what it cannot take runs on Triton) or "auto" (default: Gluon where each
+    program walks many pages, Triton where launches are latency-bound, as the H200 measured).
     Switches `model` to the "kitty" attention function, which is plain SDPA for any other cache."""
     config = method if isinstance(method, CacheConfig) else method_config(method, **settings)
     use_kitty_attention(model)
     return KittyCache(config, model.config, use_triton=use_triton, record_magnitudes=record_magnitudes,
-                      reserve_tokens=reserve_tokens, flush_spread=flush_spread, flush=flush)
+                      reserve_tokens=reserve_tokens, flush_spread=flush_spread, flush=flush,
+                      decode_kernel=decode_kernel)
 
 
 __all__ = ["load_model", "make_cache", "METHODS", "PRESETS", "CacheConfig", "method_config", "KittyCache",

@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kernels import dequantize, flush, quantize
-from kernels.decode_attention import DecodeWorkspace, decode_attention, decode_attention_ref
+from kernels.decode_attention import KERNELS, DecodeWorkspace, decode_attention, decode_attention_ref
 from kernels.layout import FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_bytes, value_page_bytes
 
 from .chunk_attention import chunk_attention
@@ -50,7 +50,7 @@ class KittyLayer(CacheLayerMixin):
 
     def __init__(self, config: CacheConfig, layer_idx: int = 0, use_triton: bool | None = None,
                  record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
-                 flush: str = "auto", shared_indices: dict | None = None):
+                 flush: str = "auto", shared_indices: dict | None = None, decode_kernel: str = "auto"):
         super().__init__()
         if isinstance(flush_spread, bool) or not isinstance(flush_spread, int) or flush_spread < 1:
             raise ValueError(f"flush_spread={flush_spread!r} must be a positive integer (1: the paper's schedule)")
@@ -58,6 +58,9 @@ class KittyLayer(CacheLayerMixin):
             raise ValueError(f"flush={flush!r} must be one of {FLUSH_MODES}: 'torch' quantizes a decode step's full "
                              "buffers with separate torch ops, 'fused' with one Triton kernel per kind, 'auto' "
                              "(default) fused on a GPU")
+        if decode_kernel not in KERNELS:
+            raise ValueError(f"decode_kernel={decode_kernel!r} must be one of {KERNELS}: the decode-attention kernel "
+                             "over a GPU cache's pages ('auto', the default, picks the faster for the launch)")
         self.config = config
         self.layer_idx = layer_idx
         self.use_triton = use_triton            # None: Triton for CUDA tensors, the PyTorch reference otherwise
@@ -65,6 +68,7 @@ class KittyLayer(CacheLayerMixin):
         self.reserve_tokens = reserve_tokens    # page storage to set aside per sequence (no reallocation later)
         self.flush_spread = flush_spread        # decode steps over which a batch's full buffers become pages
         self.flush = flush                      # how a decode step's full buffers become pages (FLUSH_MODES)
+        self.decode_kernel = decode_kernel      # decode_attention's kernel over the pages (KERNELS)
         # device -> the DeviceIndices this layer shares with the other layers of its cache (None: its own)
         self.shared_indices = shared_indices
         self.seen = 0                           # positions seen, padding included (what masks are sized by)
@@ -232,7 +236,8 @@ class KittyLayer(CacheLayerMixin):
             out, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling, **kwargs)
             return out
         if self._triton():
-            return decode_attention(query[:, :, 0], self.paged(), scaling, workspace=self.workspace).unsqueeze(1)
+            return decode_attention(query[:, :, 0], self.paged(), scaling, workspace=self.workspace,
+                                    kernel=self.decode_kernel).unsqueeze(1)
         return decode_attention_ref(query[:, :, 0], self.paged(), scaling).unsqueeze(1)
 
     def _attend_chunk(self, query, key, value, scaling, counts=None) -> torch.Tensor:
@@ -661,13 +666,13 @@ class KittyCache(Cache):
 
     def __init__(self, config: CacheConfig, model_config, use_triton: bool | None = None,
                  record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
-                 flush: str = "auto"):
+                 flush: str = "auto", decode_kernel: str = "auto"):
         text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         layers, shared_indices = [], {}
         for i, kind in enumerate(attention_layer_types(model_config)):
             if kind == "full_attention":
                 layers.append(KittyLayer(config, i, use_triton, record_magnitudes, reserve_tokens, flush_spread,
-                                         flush, shared_indices))
+                                         flush, shared_indices, decode_kernel))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
         super().__init__(layers=layers)

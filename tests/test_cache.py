@@ -247,6 +247,23 @@ def test_decode_on_the_triton_path_never_rebuilds_pages(monkeypatch):
         assert torch.equal(layer.key_pool.tensors[name], ref_layer.key_pool.tensors[name])
 
 
+def test_decode_kernel_setting_reaches_every_decode_step_and_bad_values_are_refused(monkeypatch):
+    """make_cache(decode_kernel=...) is the kernel each decode step asks decode_attention for (on a CPU "gluon"
+    runs the Triton kernel, interpreted: the same tokens as the reference path); other values are refused, naming
+    the setting."""
+    cfg = method_config("kitty", page_size=16, local_window=16, sink=4)
+    model = tiny_model(heads=4, kv_heads=2, layers=1)
+    ids = torch.randint(3, 256, (2, 44), generator=torch.Generator().manual_seed(3))
+    expected = feed(model, ids, make_cache(model, cfg, use_triton=False), prefix=40)
+    asked, real = [], backend.cache.decode_attention
+    monkeypatch.setattr(backend.cache, "decode_attention", lambda *a, **k: asked.append(k["kernel"]) or real(*a, **k))
+    got = feed(model, ids, make_cache(model, cfg, use_triton=True, decode_kernel="gluon"), prefix=40)
+    assert asked and set(asked) == {"gluon"}
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    with pytest.raises(ValueError, match="decode_kernel"):
+        make_cache(model, cfg, decode_kernel="cuda")
+
+
 def test_page_pool_hands_out_ids_in_order_and_ranks_repeated_rows():
     """Pages are taken in order, storage grows on demand, release_all gives every page back; occurrence_rank numbers
     a sequence's repeats (several pages of one sequence in one call), also on the fast path of distinct rows."""
