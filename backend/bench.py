@@ -260,7 +260,8 @@ def bench_tune(args) -> dict:
             def gluon(maxnreg, quarters=4):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
                 own = split_count(q, kv, "gluon", maxnreg)
-                return {**base, "kernel": "gluon", "maxnreg": maxnreg, "splits": max(1, min(pages, own * quarters // 4))}
+                return {**base, "kernel": "gluon", "maxnreg": maxnreg,
+                        "splits": max(1, min(pages, own * quarters // 4))}
 
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],

@@ -652,7 +652,8 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
                            first_part: int = 0) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
     (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each
-    (with first_part = num_splits the grid holds only the latter: the Gluon kernel runs the former). Also used to compile the kernel for a profile. BLOCK_M: the group's query heads padded to the matrix
+    (with first_part = num_splits the grid holds only the latter: the Gluon kernel runs the former). Also used to
+    compile the kernel for a profile. BLOCK_M: the group's query heads padded to the matrix
     instruction's 8 columns. BLOCK_NB: the boosted channels padded to at least 32, so that kitty's 16 take
     kitty-pro's layouts (with 16 columns its high-bits tile needed other layouts and shared-memory moves: 2,640
     instructions per page and 12.5 KB of shared memory against 2,396 and 9.7 KB; BENCHMARKS.md section 1).

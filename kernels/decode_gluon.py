@@ -145,9 +145,9 @@ def _heads_vector(x):
 
 
 # ---------------------------------------------------------------------------------------------- one paged slot
-# A slot is computed 32 columns of a plane at a time (KC: a key page's channels, or one token quarter of a value
-# page), so that only one chunk's codes are unpacked and live at once: with whole tiles the kernel wanted 220-240
-# registers and spilled at its cap. A slot's tiles are read from its shared-memory buffers, where each plane is
+# A slot is computed a chunk of a plane's columns at a time (KC = 32 of a key page's channels, or one token quarter
+# of a value page: 32 or 16 tokens), so that only one chunk's codes are unpacked and live at once: with whole tiles
+# the kernel wanted 218-240 registers and spilled at its cap. A slot's tiles are read from its shared-memory buffers, where each plane is
 # stored chunk by chunk ([chunks, rows, columns] bytes: conflict-free reads of a chunk).
 KC = gl.constexpr(32)
 
@@ -155,7 +155,7 @@ KC = gl.constexpr(32)
 @gluon.constexpr_function
 def _chunk(K):
     """Columns per chunk of a key plane K columns wide (channels: 32 at a time, or all of a 16-channel plane)."""
-    return min(K, 32)
+    return min(K, KC)
 
 
 @gluon.jit
@@ -270,8 +270,8 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
 # ---------------------------------------------------------------------------------------------- slot buffers
 # A slot's tiles are copied into one buffer per kind with cp.async (16 bytes a thread): the next slot's keys as soon
 # as this slot's keys are read, its values as soon as this slot's values are read, so that a page's load latency is
-# spent on half a page of arithmetic (a second buffer of each, a whole slot ahead, measured slower: it halves the
-# programs shared memory allows; BENCHMARKS.md section 1, session 10). A plane the method does not have (no boosted
+# spent on half a page of arithmetic (a second buffer of each, a whole slot ahead, measured 9 % slower: its shared
+# memory allows 8 programs per multiprocessor instead of 12; BENCHMARKS.md section 1, session 10). A plane the method does not have (no boosted
 # channels, 2-bit values) gets a placeholder that nothing reads, which the compiler drops.
 @gluon.constexpr_function
 def _plane_shared():
