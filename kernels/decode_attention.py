@@ -685,6 +685,9 @@ KERNELS = ("auto", "triton", "gluon")
 # at batch 8 / 32K, up to 1.5x slower at batch 1 (BENCHMARKS.md section 1).
 GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor (144-160: spills; 176-255: fewer programs)
 MIN_GLUON_PAGES = 4           # pages per program from which "auto" takes the Gluon kernel
+# how the Gluon kernel turns 2-bit codes into matrix operands (decode_gluon.py says how each works); the first is
+# the default
+GLUON_OPERANDS = ("magic", "subnormal")
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
@@ -710,7 +713,7 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_splits: int | None, num_warp
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, pdl: bool = False, pairs: bool = False,
-                     kernel: str = "auto") -> torch.Tensor:
+                     kernel: str = "auto", operands: str | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: split_count);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
@@ -722,7 +725,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     ahead of the first page's softmax and values (an experiment for latency-bound launches, not yet measured:
     `python -m backend.bench tune --vary pairs`). kernel: the paged blocks' kernel, "triton", "gluon"
     (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto" (choose_kernel); with
-    Gluon, the Triton kernel still runs the remaining blocks (sink, buffers) and maxnreg caps the Gluon kernel."""
+    Gluon, the Triton kernel still runs the remaining blocks (sink, buffers) and maxnreg caps the Gluon kernel.
+    operands: how the Gluon kernel turns codes into matrix operands (GLUON_OPERANDS; default: the first)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
@@ -743,7 +747,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, first)
     if kernel == "gluon":
         from . import decode_gluon
-        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg)
+        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg,
+                            operands or GLUON_OPERANDS[0])
         maxnreg = MAXNREG
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     pdl = pdl and pdl_supported(q.device)

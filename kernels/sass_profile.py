@@ -69,16 +69,16 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90, maxnreg: int = 255):
+                         splits: int = 16, arch: int = 90, maxnreg: int = 255, operands: str | None = None):
     """The Gluon kernel of decode_attention(kernel="gluon") for the same example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
+    from kernels.decode_gluon import GLUON_OPERANDS, _gluon_paged_kernel, kernel_arguments
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, operands or GLUON_OPERANDS[0])
     return _compile(GluonASTSource, _gluon_paged_kernel, args, constants, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
@@ -153,6 +153,7 @@ def main(argv=None) -> int:
                         help="paged slots two at a time (decode_attention's pairs): the loop counts are then per two pages")
     parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
                         help="decode_attention's kernel over the paged blocks (gluon: kernels/decode_gluon.py)")
+    parser.add_argument("--operands", help="the Gluon kernel's code operands (decode_attention.GLUON_OPERANDS)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
     args = parser.parse_args(argv)
@@ -163,7 +164,8 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         if args.kernel == "gluon":
-            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255)
+            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
+                                            operands=args.operands)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg, pairs=args.pairs)

@@ -19,9 +19,9 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref, default_splits,
-                                      field_weights, gather_kv, merge_blocks, merge_splits, remaining_blocks,
-                                      split_count, unpack_asm)
+from kernels.decode_attention import (GLUON_OPERANDS, MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref,
+                                      default_splits, field_weights, gather_kv, merge_blocks, merge_splits,
+                                      remaining_blocks, split_count, unpack_asm)
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import boost_mask, pack_quarters, unpack_quarters
@@ -245,11 +245,13 @@ GLUON_CASES = [
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
+@pytest.mark.parametrize("operands", GLUON_OPERANDS)
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
-def test_gluon_decode_attention_matches_reference(case):
+def test_gluon_decode_attention_matches_reference(case, operands):
     """The Gluon kernel with one split (programs of many slots: every buffer refilled many times), three, and the
-    default split, at the compiler's registers and the default cap, against the reference and the Triton kernel;
-    the partials and the output poisoned first, so that an unwritten element fails."""
+    default split, at the compiler's registers and the default cap, with each way of making the code operands,
+    against the reference and the Triton kernel; the partials and the output poisoned first, so that an unwritten
+    element fails."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
@@ -263,7 +265,7 @@ def test_gluon_decode_attention_matches_reference(case):
         for buffer in workspace.get(q, splits + remaining_blocks(kv)):
             buffer.fill_(float("nan"))
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon", maxnreg=maxnreg,
-                               workspace=workspace)
+                               workspace=workspace, operands=operands)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
@@ -273,18 +275,21 @@ def test_gluon_decode_attention_matches_reference(case):
 def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     """Without a GPU: the Gluon kernel compiles for sm_90 (its operand layouts are checked to be register renamings
     when it is built: convert_layout(..., assert_trivial=True)); its page loop holds exactly the matrix products the
-    page needs (plus the bf16 offsets' products), no spills with the compiler's registers, 16-byte cp.async copies
-    of the codes, and the shared memory that shared_bytes plans occupancy with."""
+    page needs (plus the bf16 offsets' products with magic-number operands), no spills with the compiler's
+    registers, 16-byte cp.async copies of the codes, and the shared memory that shared_bytes plans occupancy with;
+    subnormal operands unpack 16 codes with 8 ANDs and one shift."""
     code = textwrap.dedent("""
         import torch
         from kernels.decode_gluon import shared_bytes
         from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
-        for method, dtype in (("kitty-pro", torch.bfloat16), ("kivi-k2v2", torch.float16), ("kitty", torch.bfloat16)):
-            compiled = compile_gluon_kernel(method, dtype, 4)
+        for method, dtype, operands in (("kitty-pro", torch.bfloat16, "magic"), ("kivi-k2v2", torch.float16, "magic"),
+                                        ("kitty", torch.bfloat16, "magic"), ("kitty-pro", torch.bfloat16, "subnormal")):
+            compiled = compile_gluon_kernel(method, dtype, 4, operands=operands)
             row = profile(compiled)
             wide = compiled.asm["ptx"].count("cp.async.cg.shared.global [")
             planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128)
-            print(method, row["loop matrix"], row["loop local ld/st"], row["shared bytes"], planned, wide)
+            print(method + "-" + operands, row["loop matrix"], row["loop local ld/st"], row["shared bytes"], planned,
+                  wide, row["loop integer"])
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
@@ -293,14 +298,20 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     # kitty-pro: 4 quarters x (2 x 8 key + 2 x 2 boosted + 2 x 8 value tiles) products and up to 36 for the bf16
     # offsets (rows of one constant operand: the compiler shares them); kivi-k2v2 in fp16: exact codes, no boosted
     # plane, no offset; kitty: 16 boosted channels, one 16-column tile
-    assert 4 * (16 + 4 + 16) < rows["kitty-pro"][0] <= 4 * (16 + 4 + 16) + 36, run.stdout
-    assert rows["kivi-k2v2"][0] == 4 * (16 + 16), run.stdout
-    assert 4 * (16 + 2 + 16) < rows["kitty"][0] <= 4 * (16 + 2 + 16) + 36, run.stdout
-    for method, (matrix, spills, shared, planned, wide) in rows.items():
+    # subnormal operands: no offsets
+    assert 4 * (16 + 4 + 16) < rows["kitty-pro-magic"][0] <= 4 * (16 + 4 + 16) + 36, run.stdout
+    assert rows["kivi-k2v2-magic"][0] == 4 * (16 + 16), run.stdout
+    assert 4 * (16 + 2 + 16) < rows["kitty-magic"][0] <= 4 * (16 + 2 + 16) + 36, run.stdout
+    assert rows["kitty-pro-subnormal"][0] == 4 * (16 + 4 + 16), run.stdout
+    for method, (matrix, spills, shared, planned, wide, integer) in rows.items():
         assert spills == 0 and shared == planned, run.stdout
     # a page's key and value codes in 16-byte cp.async copies
-    assert rows["kitty-pro"][4] >= (4096 + 1024 + 4096) // 16 // 32 and rows["kivi-k2v2"][4] >= 8192 // 16 // 32
-    assert rows["kitty"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
+    assert rows["kitty-pro-magic"][4] >= (4096 + 1024 + 4096) // 16 // 32, run.stdout
+    assert rows["kivi-k2v2-magic"][4] >= 8192 // 16 // 32, run.stdout
+    assert rows["kitty-magic"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
+    # kitty-pro's page: 72 words of codes a thread; the magic numbers' fourth field needs two more shifts a word
+    words = (4096 + 1024 + 4096) // 4 // 32
+    assert 9 * words <= rows["kitty-pro-subnormal"][5] <= rows["kitty-pro-magic"][5] - 2 * words, run.stdout
 
 
 def test_default_splits_are_the_h200_sweeps_best():
