@@ -51,7 +51,7 @@ import triton
 import triton.testing
 
 # on a CPU: Triton interpreted
-from kernels.decode_attention import (GLUON_MAXNREG, GLUON_OPERANDS, KERNELS, MAXNREG, DecodeWorkspace,
+from kernels.decode_attention import (GLUON_MAXNREG, KERNELS, MAXNREG, DecodeWorkspace,
                                       decode_attention, default_splits, merge_splits, multiprocessors,
                                       resident_programs, split_count)
 
@@ -227,8 +227,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "pdl", "pairs", "kernel", "gluon-splits", "gluon-maxnreg",
-               "gluon-operands")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg")
 
 
 def bench_tune(args) -> dict:
@@ -257,38 +256,29 @@ def bench_tune(args) -> dict:
             # merge launched while the split kernel runs (programmatic dependent launch), and paged slots two at a
             # time (at the cap, and with the compiler's registers: a latency-bound launch has few programs anyway)
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, pdl=False, pairs=False, kernel="triton",
-                        operands=GLUON_OPERANDS[0])
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton")
 
-            def gluon(maxnreg, quarters=4, operands=GLUON_OPERANDS[0]):
+            def gluon(maxnreg, quarters=4):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
                 own = split_count(q, kv, "gluon", maxnreg)
-                return {**base, "kernel": "gluon", "maxnreg": maxnreg, "operands": operands,
+                return {**base, "kernel": "gluon", "maxnreg": maxnreg,
                         "splits": max(1, min(pages, own * quarters // 4))}
 
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
                       "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
                       "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
-                      "pdl": [{**base, "pdl": True}],
-                      "pairs": [{**base, "pairs": True, "maxnreg": r} for r in (MAXNREG, 255)],
                       # the Gluon kernel over the paged blocks at its register cap, at half and twice its split, and
                       # at other caps (resident programs against spills), each at the split its programs choose
                       "kernel": [gluon(GLUON_MAXNREG)],
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
-                      "gluon-maxnreg": [gluon(r) for r in (128, 152, 160, 176, 192, 255)],
-                      # the Gluon kernel's other code operands (GLUON_OPERANDS), at its cap and at caps that give
-                      # it more resident programs
-                      "gluon-operands": [gluon(r, operands=o) for o in GLUON_OPERANDS[1:]
-                                         for r in (GLUON_MAXNREG, 152, 144, 255)]}
+                      "gluon-maxnreg": [gluon(r) for r in (128, 152, 160, 176, 192, 255)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
-                                               maxnreg=setting["maxnreg"], pdl=setting["pdl"],
-                                               pairs=setting["pairs"], kernel=setting["kernel"],
-                                               operands=setting["operands"])
+                                               maxnreg=setting["maxnreg"], kernel=setting["kernel"])
                 seconds = median_seconds(run, args.quick)
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
@@ -703,15 +693,12 @@ def write_figures(result: dict, out: Path) -> list[Path]:
                           yaxis_title="seconds", barmode="group")
     elif result["kind"] == "tune":
         def setting_of(r):                   # one bar series per setting but the split count (the x axis)
-            return (r["warps"], r["stages"], r["maxnreg"], r.get("pdl", False), r.get("pairs", False),
-                    r.get("kernel", "triton"), r.get("operands", ""))
+            return r["warps"], r["stages"], r["maxnreg"], r.get("kernel", "triton")
 
         for setting in dict.fromkeys(map(setting_of, rows)):
             sel = [r for r in rows if setting_of(r) == setting]
             fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}"
-                             + (", early merge launch (pdl)" if setting[3] else "")
-                             + (", two pages a step" if setting[4] else "")
-                             + (f", Gluon ({setting[6]} operands)" if setting[5] == "gluon" else ""),
+                             + (", Gluon kernel" if setting[3] == "gluon" else ""),
                         x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", default="", metavar="ARGS",
                         help="arguments of the `bench attention` step (e.g. \"--kernels triton gluon\")")
     parser.add_argument("--tune", default="", metavar="ARGS",
-                        help="arguments of the `bench tune` step (e.g. \"--vary pdl warps --batches 1 8\"; default: "
+                        help="arguments of the `bench tune` step (e.g. \"--vary warps kernel --batches 1 8\"; default: "
                              "every sweep at every shape)")
     parser.add_argument("--turn", default="", metavar="ARGS",
                         help="arguments of the `bench turn` step (default: 16 sequences of 4,352-8,192 tokens, a turn "

@@ -32,7 +32,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV
@@ -99,20 +98,6 @@ def unpack_asm(dtype: torch.dtype, offset: bool = False) -> str:
     for i in range(4):
         lines += _field_lines(dtype, i, offset, f"${2 * i}", f"${2 * i + 1}")
     return " ".join(lines) + " }"
-
-
-# unpack_asm in two steps, for a kernel that multiplies quarter by quarter (fewer live registers) and can take a
-# word's bytes in the order (b0, b2, b1, b3): SPREAD_ASM gives the words the fields are taken from without the prmt
-# ($0 = the word, $1 = the word >> 8: 16-bit halves led by b0 / b2 and b1 / b3), quarter_asm(i) takes field i of
-# them, so its outputs pair bytes (0, 2) in $0 and (1, 3) in $1.
-SPREAD_ASM = "mov.b32 $0, $2; shr.b32 $1, $2, 8;"
-
-
-def quarter_asm(dtype: torch.dtype, i: int, offset: bool = False) -> str:
-    """PTX: two words ($2, $3: unpack_asm's after its prmt, or SPREAD_ASM's) -> field i of each, in $0 and $1, as
-    unpack_asm gives them."""
-    return " ".join(["{ .reg .b32 t, u, v, s, o;", "mov.b32 t, $2;", "mov.b32 u, $3;",
-                     *_field_lines(dtype, i, offset, "$0", "$1")]) + " }"
 
 
 def _field_lines(dtype: torch.dtype, i: int, offset: bool, out_t: str, out_u: str) -> list[str]:
@@ -419,9 +404,7 @@ def _decode_split_kernel(
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
-        BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False, PAIRS: tl.constexpr = False):
-    if PDL:                       # the merge may launch now: its programs wait for this grid's writes (gdc_wait)
-        gdc_launch_dependents()
+        BLOCK_NB: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2) + FIRST_PART      # FIRST_PART = NSPLIT: the Gluon kernel took the paged blocks
@@ -445,30 +428,7 @@ def _decode_split_kernel(
     acc3 = tl.zeros((BLOCK_D4, BLOCK_M), tl.float32)
 
     # both pages of a paged slot are quantized: no branch in the loop bodies
-    if PAIRS:
-        # two slots a step: the second page's scores do not wait for the first page's softmax and values, so the
-        # compiler can interleave two independent chains (for latency-bound launches: batch 1)
-        for slot in range(start, end - 1, 2):
-            kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
-            vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-            kpage2 = tl.load(ktab_ptr + b * KMP + slot + 1).to(tl.int64) * H + h
-            vpage2 = tl.load(vtab_ptr + b * VMP + slot + 1).to(tl.int64) * H + h
-            s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                              kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
-                                              BLOCK_G4, BLOCK_NB)
-            t0, t1, t2, t3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                              kzero_ptr, kpage2, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
-                                              BLOCK_G4, BLOCK_NB)
-            m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc = _paged_values(
-                s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vpage, vlow_ptr, vhigh_ptr, vscale_ptr,
-                vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
-            m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc = _paged_values(
-                t0, t1, t2, t3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vpage2, vlow_ptr, vhigh_ptr,
-                vscale_ptr, vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
-        single = end - (end - start) % 2                 # the odd slot left, if any
-    else:
-        single = start
-    for slot in range(single, end):
+    for slot in range(start, end):
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
         s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
@@ -529,15 +489,12 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["NPART"])
 def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_DC: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_DC: tl.constexpr):
     """One (sequence, query head) row and BLOCK_DC of its channels: the partials of all NPART parts merged with
-    log-sum-exp weights in one pass (a running maximum rescales what is summed so far), BLOCK_S parts per step.
-    PDL: launched before the split kernel ends (programmatic dependent launch), so wait for its writes first."""
+    log-sum-exp weights in one pass (a running maximum rescales what is summed so far), BLOCK_S parts per step."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
     dmask = d < D
-    if PDL:
-        gdc_wait()
     m_run = float("-inf")
     den = 0.0
     num = tl.zeros((BLOCK_DC,), tl.float32)
@@ -685,9 +642,6 @@ KERNELS = ("auto", "triton", "gluon")
 # at batch 8 / 32K, up to 1.5x slower at batch 1 (BENCHMARKS.md section 1).
 GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor (144-160: spills; 176-255: fewer programs)
 MIN_GLUON_PAGES = 4           # pages per program from which "auto" takes the Gluon kernel
-# how the Gluon kernel turns 2-bit codes into matrix operands (decode_gluon.py says how each works); the first is
-# the default
-GLUON_OPERANDS = ("magic", "subnormal")
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
@@ -712,21 +666,14 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_splits: int | None, num_warp
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, pdl: bool = False, pairs: bool = False,
-                     kernel: str = "auto", operands: str | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, kernel: str = "auto") -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: split_count);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
     (defaults tuned on the H200: MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). With a
-    workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call. pdl: launch the
-    merge with programmatic dependent launch (Hopper and later; ignored elsewhere), so that its launch overlaps the
-    split kernel's work (measured: -0.4 us at batch 1, +2.2 us at batch 8 / 4K, nothing at batch 64; BENCHMARKS.md
-    section 1, session 8). pairs: each program takes its paged slots two at a time, the second key page's scores
-    ahead of the first page's softmax and values (an experiment for latency-bound launches, not yet measured:
-    `python -m backend.bench tune --vary pairs`). kernel: the paged blocks' kernel, "triton", "gluon"
+    workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call. kernel: the paged blocks' kernel, "triton", "gluon"
     (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto" (choose_kernel); with
-    Gluon, the Triton kernel still runs the remaining blocks (sink, buffers) and maxnreg caps the Gluon kernel.
-    operands: how the Gluon kernel turns codes into matrix operands (GLUON_OPERANDS; default: the first)."""
+    Gluon, the Triton kernel still runs the remaining blocks (sink, buffers) and maxnreg caps the Gluon kernel."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
@@ -747,34 +694,23 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, first)
     if kernel == "gluon":
         from . import decode_gluon
-        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg,
-                            operands or GLUON_OPERANDS[0])
+        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg)
         maxnreg = MAXNREG
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-    pdl = pdl and pdl_supported(q.device)
-    _decode_split_kernel[(bsz, h, num_parts - first)](*args, **constants, **options, **({"PDL": True} if pdl else {}),
-                                                      **({"PAIRS": True} if pairs else {}))
-    return merge_splits(part_o, part_m, part_l, out, pdl=pdl)
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: compiled Triton on a Hopper or later GPU (no griddepcontrol when
-    interpreted)."""
-    return device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device)[0] >= 9
+    _decode_split_kernel[(bsz, h, num_parts - first)](*args, **constants, **options)
+    return merge_splits(part_o, part_m, part_l, out)
 
 
 def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,
-                 sm_count: int | None = None, pdl: bool = False) -> torch.Tensor:
+                 sm_count: int | None = None) -> torch.Tensor:
     """out (B, HQ, D) = sum_p 2^(m_p - M) o_p / sum_p 2^(m_p - M) l_p over the parts p of each row (M: the rows'
     largest m; parts with m = -inf weigh nothing): the split programs' partials (B, HQ, P, D), (B, HQ, P) x 2.
-    sm_count: the multiprocessors the merge spreads over (default: the device's). pdl: the partials' writer was
-    launched with PDL=True, and this launch may start before it ends (pdl_supported devices only)."""
+    sm_count: the multiprocessors the merge spreads over (default: the device's)."""
     bsz, hq, num_parts, d = part_o.shape
     if sm_count is None:
         sm_count = multiprocessors(out.device)
     block_s, block_dc = merge_blocks(bsz * hq, d, sm_count)
     _merge_splits_kernel[(bsz * hq, triton.cdiv(d, block_dc))](part_o, part_m, part_l, out, num_parts, D=d,
                                                                BLOCK_S=block_s, BLOCK_DC=block_dc,
-                                                               num_warps=MERGE_WARPS,
-                                                               **({"PDL": True, "launch_pdl": True} if pdl else {}))
+                                                               num_warps=MERGE_WARPS)
     return out

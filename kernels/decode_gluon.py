@@ -10,8 +10,8 @@ instructions per page). Here the layouts are explicit (Gluon), and the page layo
   column k' = 16t + 8h + 2c + e of the operand is byte 4t + 2h + e of thread c's run (`_a_operand`, a reshape and a
   permute that `convert_layout(..., assert_trivial=True)` proves cost nothing). The other operand (queries times
   scales, or probabilities times scales) gets the same order the same way (`_b_operand`).
-- A 32-bit word of codes becomes the 16-bit operands of a quarter with one lop3 per pair (`quarter_asm`, shared
-  with the Triton kernel's unpacking), and the scale / zero / magic-number algebra is the Triton kernel's.
+- A 32-bit word of codes becomes the fp16 operands of a quarter with one AND per pair: each 2-bit field, left
+  where it is with every other bit cleared, is the subnormal number code * 4^i * 2^-24 (`QUARTER_ASM`).
 - A page is taken 32 columns at a time (keys: a channel chunk, all 4 token quarters; values: one token quarter,
   all 4 channel quarters), so that one chunk's codes are live at once.
 - Pages arrive by cp.async into one shared-memory buffer per kind, each refilled with the next slot's page as soon
@@ -32,27 +32,24 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .decode_attention import GLUON_OPERANDS, OFFSET_MAGIC, OFFSET_W1, OFFSET_W2, SPREAD_ASM, quarter_asm
 from .layout import PagedKV
 
 HEADS_PER_TILE = 8          # the matrix instruction's columns: a KV group of up to 8 query heads
-QUARTER_BF16_OFFSET = gl.constexpr(tuple(quarter_asm(torch.bfloat16, i, offset=True) for i in range(4)))
-QUARTER_FP16 = gl.constexpr(tuple(quarter_asm(torch.float16, i) for i in range(4)))
-SPREAD = gl.constexpr(SPREAD_ASM)
+# a word of 4 code bytes -> itself and itself >> 8: 16-bit halves led by bytes 0 / 2 and 1 / 3, whose low bytes
+# QUARTER_ASM takes fields from (so its operands pair bytes (0, 2) and (1, 3), which _b_operand matches)
+SPREAD = gl.constexpr("mov.b32 $0, $2; shr.b32 $1, $2, 8;")
 
-# How a 2-bit field becomes a 16-bit operand (launch(operands=...), one of GLUON_OPERANDS):
-# - "magic": OR-ed into the mantissa of a magic number (decode_attention.py's lop3 trick): bf16 operands M + w_i *
-#   code with M and w_i taken out of the fp32 sums (offset products), fp16 operands made exact by one fma a pair;
-#   bf16's 7 mantissa bits hold 3 fields, so the fourth quarter is shifted first (11 integer instructions per 16
-#   codes).
-# - "subnormal": the field left where it is, every other bit cleared: the fp16 bits of the subnormal number
-#   code * 4^i * 2^-24, one AND a pair and no magic number to take out; fp16's 10 mantissa bits hold the 4 fields of
-#   a byte, so no quarter needs a shift (9 per 16 codes). The matrix unit multiplies subnormal fp16 operands
-#   exactly; the quarter's weight 2^24 / 4^i is applied to its fp32 sums. Both query dtypes take fp16 operands
-#   (queries times scales in fp16: 3 more bits than bf16, overflowing only past scores of 65,504 per channel).
-QUARTER_SUBNORMAL = gl.constexpr(tuple(f"and.b32 $0, $2, {m:#x}; and.b32 $1, $3, {m:#x};"
-                                       for m in (0x00030003 << 2 * i for i in range(4))))
-SUBNORMAL_WEIGHT = gl.constexpr(tuple(2.0 ** 24 / 4 ** i for i in range(4)))
+# 2-bit fields -> fp16 operands: field i of a byte (bits 2i) left in place, every other bit cleared, is the fp16 bit
+# pattern of the subnormal number code * 4^i * 2^-24. fp16's 10 mantissa bits hold all 4 fields of a byte, so 16
+# codes take one shift (_spread) and 8 ANDs, against 11 instructions and offset products with bf16 magic numbers
+# (the Triton kernel's unpacking; measured 10 % slower at batch 64 / 32K, BENCHMARKS.md section 1, session 11). The
+# matrix unit multiplies subnormal fp16 operands exactly, and a quarter's weight 2^24 / 4^i is applied to its fp32
+# sums. Both query dtypes take fp16 operands: queries times scales keep 3 more bits than in bf16 and overflow only
+# past 65,504 per channel's term.
+QUARTER_ASM = gl.constexpr(tuple(f"and.b32 $0, $2, {m:#x}; and.b32 $1, $3, {m:#x};"
+                                 for m in (0x00030003 << 2 * i for i in range(4))))
+QUARTER_WEIGHT = gl.constexpr(tuple(2.0 ** 24 / 4 ** i for i in range(4)))
+DOT = gl.float16
 
 
 def supports(q: torch.Tensor, kv: PagedKV) -> bool:
@@ -105,27 +102,18 @@ HEADS = gl.constexpr(HEADS_PER_TILE)
 
 @gluon.jit
 def _spread(x):
-    """An (R, K) byte tile -> the two words per 4 bytes that _quarter takes fields from (SPREAD_ASM: bytes 1 and 2
-    of each 4 trade places in the operands, which _b_operand matches)."""
+    """An (R, K) byte tile -> the two words per 4 bytes that _quarter takes fields from (SPREAD: bytes 1 and 2 of
+    each 4 trade places in the operands, which _b_operand matches)."""
     return gl.inline_asm_elementwise(asm=SPREAD, constraints="=r,=r,r", args=[x], dtype=(gl.uint8, gl.uint8),
                                      is_pure=True, pack=4)
 
 
 @gluon.jit
-def _quarter(t, u, I: gl.constexpr, R: gl.constexpr, K: gl.constexpr, OFFSET: gl.constexpr,
-             SUBNORMAL: gl.constexpr):
-    """Quarter I (the 2-bit fields at bits 2I) of the tile _spread gave (t, u), as a first mma operand: exact codes
-    (fp16), M + w_I * code (bf16, OFFSET; see the Triton kernel) or code * 4^I * 2^-24 (fp16, SUBNORMAL). One
-    quarter at a time, so that a tile's four unpacked quarters are never live together."""
-    if SUBNORMAL:
-        c = gl.inline_asm_elementwise(asm=_pick(QUARTER_SUBNORMAL, I), constraints="=r,=r,r,r", args=[t, u],
-                                      dtype=gl.float16, is_pure=True, pack=4)
-    elif OFFSET:
-        c = gl.inline_asm_elementwise(asm=_pick(QUARTER_BF16_OFFSET, I), constraints="=r,=r,r,r", args=[t, u],
-                                      dtype=gl.bfloat16, is_pure=True, pack=4)
-    else:
-        c = gl.inline_asm_elementwise(asm=_pick(QUARTER_FP16, I), constraints="=r,=r,r,r", args=[t, u],
-                                      dtype=gl.float16, is_pure=True, pack=4)
+def _quarter(t, u, I: gl.constexpr, R: gl.constexpr, K: gl.constexpr):
+    """Quarter I (the 2-bit fields at bits 2I) of the tile _spread gave (t, u), as a first mma operand: code * 4^I *
+    2^-24 in fp16. One quarter at a time, so that a tile's four unpacked quarters are never live together."""
+    c = gl.inline_asm_elementwise(asm=_pick(QUARTER_ASM, I), constraints="=r,=r,r,r", args=[t, u], dtype=DOT,
+                                  is_pure=True, pack=4)
     return _a_operand(c, R, K)
 
 
@@ -135,14 +123,13 @@ def _pick(options, i):
 
 
 @gluon.jit
-def _tile_products(x, b, acc0, acc1, acc2, acc3, R: gl.constexpr, K: gl.constexpr, OFFSET: gl.constexpr,
-                   SUBNORMAL: gl.constexpr):
-    """acc_i += (quarter i of the (R, K) byte tile x) @ b, for the 4 quarters."""
+def _tile_products(x, b, acc0, acc1, acc2, acc3, R: gl.constexpr, K: gl.constexpr):
+    """acc_i += (quarter i of the (R, K) byte tile x) @ b, for the 4 quarters: 4^i * 2^-24 * (codes @ b)."""
     t, u = _spread(x)
-    acc0 = mma_v2(_quarter(t, u, 0, R, K, OFFSET, SUBNORMAL), b, acc0)
-    acc1 = mma_v2(_quarter(t, u, 1, R, K, OFFSET, SUBNORMAL), b, acc1)
-    acc2 = mma_v2(_quarter(t, u, 2, R, K, OFFSET, SUBNORMAL), b, acc2)
-    acc3 = mma_v2(_quarter(t, u, 3, R, K, OFFSET, SUBNORMAL), b, acc3)
+    acc0 = mma_v2(_quarter(t, u, 0, R, K), b, acc0)
+    acc1 = mma_v2(_quarter(t, u, 1, R, K), b, acc1)
+    acc2 = mma_v2(_quarter(t, u, 2, R, K), b, acc2)
+    acc3 = mma_v2(_quarter(t, u, 3, R, K), b, acc3)
     return acc0, acc1, acc2, acc3
 
 
@@ -179,7 +166,7 @@ def _chunk(K):
 
 @gluon.jit
 def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                NB: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr, SUBNORMAL: gl.constexpr):
+                NB: gl.constexpr):
     """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
     accumulator tiles. q_s: the group's queries times qk_scale in shared memory, (D/KC, KC, HEADS); q_rows /
     hmask_b: (1, HEADS) pointers to the query rows and the real heads, for the boosted channels' gather."""
@@ -190,44 +177,32 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     if NB > 0 and NB <= 32:
         # one chunk of boosted channels: its gathers first, so that their latency is spent on the low plane
-        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D, NB, DOT)
+        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D, NB)
     s0 = gl.zeros([G4, HEADS], gl.float32, mma)
     s1 = gl.zeros([G4, HEADS], gl.float32, mma)
     s2 = gl.zeros([G4, HEADS], gl.float32, mma)
     s3 = gl.zeros([G4, HEADS], gl.float32, mma)
-    # OFFSET: -M * (the column sums of every b), the same for all rows and quarters (M + w_i * code leaves
-    # w_i * scores); one product with a constant operand per chunk, cheaper than summing b's rounded values
-    off = gl.zeros([G4, HEADS], gl.float32, mma)
     zq = gl.zeros([KC, HEADS], gl.float32, cols)                 # sum_d q_d * zero_d, folded over chunks at the end
     for c in gl.static_range(D // KC):
         q = q_s.index(c).load(cols)
         zq += q * kzero_s.slice(c * KC, KC).load(vec).to(gl.float32)[:, None]
         b = _b_operand((q * kscale_s.slice(c * KC, KC).load(vec).to(gl.float32)[:, None]).to(DOT), KC)
-        off = _offset(off, b, G4, KC, DOT, OFFSET)
-        s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC,
-                                        OFFSET, SUBNORMAL)
+        s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         NBC: gl.constexpr = _chunk(NB)
         for c in gl.static_range(NB // NBC):
             if NB > 32:
-                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D, NBC, DOT)
-            off = _offset(off, b_nb, G4, NBC, DOT, OFFSET)
+                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D, NBC)
             s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
-                                            G4, NBC, OFFSET, SUBNORMAL)
+                                            G4, NBC)
     zq = _heads_vector(gl.sum(zq, axis=0))[None, :]
-    if OFFSET:                                          # s_i + off = w_i * scores_i
-        return (s0 + off + zq, (s1 + off) * (1.0 / OFFSET_W1) + zq, (s2 + off) * (1.0 / OFFSET_W2) + zq,
-                s3 + off + zq)
-    if SUBNORMAL:                                       # s_i = 4^i * 2^-24 * scores_i
-        return (s0 * _pick(SUBNORMAL_WEIGHT, 0) + zq, s1 * _pick(SUBNORMAL_WEIGHT, 1) + zq,
-                s2 * _pick(SUBNORMAL_WEIGHT, 2) + zq, s3 * _pick(SUBNORMAL_WEIGHT, 3) + zq)
-    return s0 + zq, s1 + zq, s2 + zq, s3 + zq
+    return (s0 * _pick(QUARTER_WEIGHT, 0) + zq, s1 * _pick(QUARTER_WEIGHT, 1) + zq,
+            s2 * _pick(QUARTER_WEIGHT, 2) + zq, s3 * _pick(QUARTER_WEIGHT, 3) + zq)
 
 
 @gluon.jit
-def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr,
-                     DOT: gl.constexpr):
+def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
     """The second operand of boosted-channel chunk c: 4 * q_ch * scale_ch * qk_scale (NBC, HEADS), gathered from the
     query rows and the page's scales in global memory (L1 / L2)."""
     lay: gl.constexpr = _cols_layout(NBC)
@@ -238,21 +213,13 @@ def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D: g
 
 
 @gluon.jit
-def _offset(acc, b, R: gl.constexpr, K: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr):
-    """acc - M * (b's column sums) on every row (OFFSET; acc unchanged otherwise)."""
-    if OFFSET:
-        acc = mma_v2(gl.full([R, K], -OFFSET_MAGIC, DOT, gl.DotOperandLayout(0, _mma(), 2)), b, acc)
-    return acc
-
-
-@gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr,
-                    SUBNORMAL: gl.constexpr):
+                    G: gl.constexpr, V_BITS: gl.constexpr):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
     vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
     (p * scale) (token, head). The sums of p and of p * zero stay (G/4, HEADS) tiles (l_t, z_t), summed over their
-    rows once at the end. Returns the new running max, l_t, z_t and the 4 channel quarters' accumulators."""
+    rows once at the end. Returns the new running max, l_t, z_t and the 4 channel quarters' accumulators (channel
+    quarter i times 4^i * 2^-24)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -265,7 +232,6 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     acc1 = acc1 * alpha
     acc2 = acc2 * alpha
     acc3 = acc3 * alpha
-    off = gl.zeros([D4, HEADS], gl.float32, mma)        # OFFSET: -M * (the column sums of every pv), as for keys
     scores = (s0, s1, s2, s3)
     rows: gl.constexpr = gl.SliceLayout(1, mma)
     for i in gl.static_range(4):
@@ -274,19 +240,12 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         z_t += p * vzero_s.slice(i * G4, G4).load(rows).to(gl.float32)[:, None]
         pv = (p * vscale_s.slice(i * G4, G4).load(rows).to(gl.float32)[:, None]).to(DOT)
         pv = _b_operand(gl.convert_layout(pv, _cols_layout(G4)), G4)
-        off = _offset(off, pv, D4, G4, DOT, OFFSET)
         acc0, acc1, acc2, acc3 = _tile_products(vlow_s.slice(i * D4, D4).load(_rows_layout(G4)), pv, acc0, acc1, acc2,
-                                                acc3, D4, G4, OFFSET, SUBNORMAL)
+                                                acc3, D4, G4)
         if V_BITS == 4:
             pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
-            off = _offset(off, pv4, D4, G4, DOT, OFFSET)
             acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4, acc0, acc1,
-                                                    acc2, acc3, D4, G4, OFFSET, SUBNORMAL)
-    if OFFSET:
-        acc0 += off
-        acc1 += off
-        acc2 += off
-        acc3 += off
+                                                    acc2, acc3, D4, G4)
     return m_new, l_t, z_t, acc0, acc1, acc2, acc3
 
 
@@ -399,7 +358,7 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, DOT: gl.constexpr, OFFSET: gl.constexpr, SUBNORMAL: gl.constexpr):
+        V_BITS: gl.constexpr):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_blocks split), written as partial (output, max, sum) number `part`."""
     b = gl.program_id(0)
@@ -452,8 +411,7 @@ def _gluon_paged_kernel(
         vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         async_copy.wait_group(1)                    # this slot's keys are in (its values may not be)
         _BARRIER()                                  # ... for every lane (and, the first time, the queries)
-        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D, G, NB, DOT, OFFSET,
-                                     SUBNORMAL)
+        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D, G, NB)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
         if more:
             _copy_keys(kbufs, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
@@ -461,7 +419,7 @@ def _gluon_paged_kernel(
         async_copy.wait_group(1)                    # this slot's values are in (the next slot's keys may not be)
         _BARRIER()
         m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1,
-                                                                acc2, acc3, D, G, V_BITS, DOT, OFFSET, SUBNORMAL)
+                                                                acc2, acc3, D, G, V_BITS)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _copy_values(vbufs, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
@@ -480,21 +438,10 @@ def _gluon_paged_kernel(
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
     zrow = gl.sum(z_t, axis=0)[None, :]
-    if OFFSET:                                          # acc_i = w_i * output
-        gl.store(out, acc0 + zrow, mask=omask)
-        gl.store(out + D4, acc1 * (1.0 / OFFSET_W1) + zrow, mask=omask)
-        gl.store(out + 2 * D4, acc2 * (1.0 / OFFSET_W2) + zrow, mask=omask)
-        gl.store(out + 3 * D4, acc3 + zrow, mask=omask)
-    elif SUBNORMAL:                                     # acc_i = 4^i * 2^-24 * output
-        gl.store(out, acc0 * _pick(SUBNORMAL_WEIGHT, 0) + zrow, mask=omask)
-        gl.store(out + D4, acc1 * _pick(SUBNORMAL_WEIGHT, 1) + zrow, mask=omask)
-        gl.store(out + 2 * D4, acc2 * _pick(SUBNORMAL_WEIGHT, 2) + zrow, mask=omask)
-        gl.store(out + 3 * D4, acc3 * _pick(SUBNORMAL_WEIGHT, 3) + zrow, mask=omask)
-    else:
-        gl.store(out, acc0 + zrow, mask=omask)
-        gl.store(out + D4, acc1 + zrow, mask=omask)
-        gl.store(out + 2 * D4, acc2 + zrow, mask=omask)
-        gl.store(out + 3 * D4, acc3 + zrow, mask=omask)
+    gl.store(out, acc0 * _pick(QUARTER_WEIGHT, 0) + zrow, mask=omask)
+    gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
+    gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
+    gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
 
 
 SHARED_PER_SM = 228 * 1024          # H100 / H200: shared memory of a multiprocessor, and what each program reserves
@@ -520,29 +467,22 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, by_shared))
 
 
-def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
-                     operands: str = GLUON_OPERANDS[0]) -> tuple[tuple, dict]:
+def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
-    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    operands one of GLUON_OPERANDS. Also used to compile the kernel for a profile (kernels.sass_profile)."""
-    if operands not in GLUON_OPERANDS:
-        raise ValueError(f"operands={operands!r}: expected one of {', '.join(GLUON_OPERANDS)}")
+    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials.
+    Also used to compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
     args = (q, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high, kv.v_scale, kv.v_zero,
             kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l, qk_scale,
             kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
-    magic_bf16 = operands == "magic" and q.dtype == torch.bfloat16
-    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits,
-                     DOT=gl.bfloat16 if magic_bf16 else gl.float16, OFFSET=magic_bf16,
-                     SUBNORMAL=operands == "subnormal")
+    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits)
     return args, constants
 
 
-def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           operands: str = GLUON_OPERANDS[0]) -> None:
+def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, operands)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

@@ -50,7 +50,7 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None, pdl: bool = False, pairs: bool = False):
+                         maxnreg: int | None = None):
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import MAXNREG, _decode_split_kernel, remaining_blocks, split_kernel_arguments
@@ -61,24 +61,22 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
-    constants["PDL"] = pdl
-    constants["PAIRS"] = pairs
     return _compile(ASTSource, _decode_split_kernel, args, constants, arch,
                     {"num_warps": num_warps, "num_stages": num_stages,
                      **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90, maxnreg: int = 255, operands: str | None = None):
+                         splits: int = 16, arch: int = 90, maxnreg: int = 255):
     """The Gluon kernel of decode_attention(kernel="gluon") for the same example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.decode_gluon import GLUON_OPERANDS, _gluon_paged_kernel, kernel_arguments
+    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, operands or GLUON_OPERANDS[0])
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits)
     return _compile(GluonASTSource, _gluon_paged_kernel, args, constants, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
@@ -149,11 +147,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (Hopper: 90)")
     parser.add_argument("--warps", type=int, default=1, help="warps per program (decode_attention's num_warps)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
-    parser.add_argument("--pairs", action="store_true",
-                        help="paged slots two at a time (decode_attention's pairs): the loop counts are then per two pages")
     parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
                         help="decode_attention's kernel over the paged blocks (gluon: kernels/decode_gluon.py)")
-    parser.add_argument("--operands", help="the Gluon kernel's code operands (decode_attention.GLUON_OPERANDS)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
     args = parser.parse_args(argv)
@@ -164,11 +159,10 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         if args.kernel == "gluon":
-            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
-                                            operands=args.operands)
+            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
-                                            num_stages=args.stages, maxnreg=args.maxnreg, pairs=args.pairs)
+                                            num_stages=args.stages, maxnreg=args.maxnreg)
         row = profile(compiled)
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return 0

@@ -210,21 +210,21 @@ def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
     """The one command a device call runs: each generate table, the attention table and the tune sweep get the
     arguments given for them."""
     from backend.gpu_report import main, step_commands
-    parser_args = type("Args", (), dict(pytest="tests/test_kernels.py -k pdl", tune="--vary pdl --batches 1",
+    parser_args = type("Args", (), dict(pytest="tests/test_kernels.py -k gluon", tune="--vary warps --batches 1",
                                         generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline="old",
                                         turn="--batch 4", attention="--kernels triton gluon",
                                         baseline_attention="--kernels gluon --methods kitty-pro"))
     steps = step_commands(parser_args, tmp_path)
     assert steps["baseline"][0] == ([sys.executable, "-m", "backend.bench", "attention", "--kernels", "gluon",
                                      "--methods", "kitty-pro", "--out", str(tmp_path / "baseline.json")], "old")
-    assert steps["tune"][0][0][-6:] == ["--vary", "pdl", "--batches", "1", "--out", str(tmp_path / "tune.json")]
+    assert steps["tune"][0][0][-6:] == ["--vary", "warps", "--batches", "1", "--out", str(tmp_path / "tune.json")]
     assert steps["attention"][0][0][-6:] == ["attention", "--kernels", "triton", "gluon", "--out",
                                               str(tmp_path / "attention.json")]
     assert steps["turn"][0][0][-5:] == ["turn", "--batch", "4", "--out", str(tmp_path / "turn.json")]
     generate = [cmd[-5:-2] for cmd, _ in steps["generate"]]
     assert generate == [["64", "--methods", "kitty"], ["generate", "--prompt", "32"]]
-    assert steps["tests"][0][0][-3:] == ["tests/test_kernels.py", "-k", "pdl"]
+    assert steps["tests"][0][0][-3:] == ["tests/test_kernels.py", "-k", "gluon"]
     # a real run of one cheap step: its status line and log
-    assert main(["--out", str(tmp_path / "run"), "--steps", "tune", "--tune", "--quick --vary pdl"]) == 0
+    assert main(["--out", str(tmp_path / "run"), "--steps", "tune", "--tune", "--quick --vary"]) == 0
     assert "===== tune: exit 0" in (tmp_path / "run" / "log.txt").read_text()
     assert json.loads((tmp_path / "run" / "tune.json").read_text())["kind"] == "tune"

@@ -19,7 +19,7 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (GLUON_OPERANDS, MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref,
+from kernels.decode_attention import (MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref,
                                       default_splits, field_weights, gather_kv, merge_blocks, merge_splits,
                                       remaining_blocks, split_count, unpack_asm)
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
@@ -225,11 +225,10 @@ def test_decode_attention_matches_reference(case):
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-    # pairs: paged slots two at a time, with an odd slot left over or not depending on the program
-    for splits, pairs in ((1, False), (3, False), (None, False), (1, True), (3, True)):
-        out = decode_attention(q, kv, d ** -0.5, num_splits=splits, pairs=pairs)
+    for splits in (1, 3, None):
+        out = decode_attention(q, kv, d ** -0.5, num_splits=splits)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
-        assert rel_err(out, ref) < tol, f"splits={splits}, pairs={pairs}: {rel_err(out, ref):.2e}"
+        assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
 
 
 GLUON_CASES = [
@@ -245,13 +244,13 @@ GLUON_CASES = [
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
-@pytest.mark.parametrize("operands", GLUON_OPERANDS)
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
-def test_gluon_decode_attention_matches_reference(case, operands):
+def test_gluon_decode_attention_matches_reference(case):
     """The Gluon kernel with one split (programs of many slots: every buffer refilled many times), three, and the
-    default split, at the compiler's registers and the default cap, with each way of making the code operands,
-    against the reference and the Triton kernel; the partials and the output poisoned first, so that an unwritten
-    element fails."""
+    default split, at the compiler's registers and the default cap, against the reference and the Triton kernel;
+    the partials and the output poisoned first, so that an unwritten element fails. Its operands are fp16 for both
+    query dtypes: with fp16 queries it computes what the Triton kernel computes; with bf16 ones it must be at least
+    as close to the reference as the Triton kernel's bf16 operands."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
@@ -265,53 +264,49 @@ def test_gluon_decode_attention_matches_reference(case, operands):
         for buffer in workspace.get(q, splits + remaining_blocks(kv)):
             buffer.fill_(float("nan"))
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon", maxnreg=maxnreg,
-                               workspace=workspace, operands=operands)
+                               workspace=workspace)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
-        assert rel_err(out, triton_out) < tol / 2, f"splits={splits}: {rel_err(out, triton_out):.2e} from Triton"
+        if dtype == torch.float16:
+            assert rel_err(out, triton_out) < tol / 2, f"splits={splits}: {rel_err(out, triton_out):.2e} from Triton"
+        else:
+            assert rel_err(out, ref) <= rel_err(triton_out, ref), \
+                f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
 
 
 def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     """Without a GPU: the Gluon kernel compiles for sm_90 (its operand layouts are checked to be register renamings
     when it is built: convert_layout(..., assert_trivial=True)); its page loop holds exactly the matrix products the
-    page needs (plus the bf16 offsets' products with magic-number operands), no spills with the compiler's
-    registers, 16-byte cp.async copies of the codes, and the shared memory that shared_bytes plans occupancy with;
-    subnormal operands unpack 16 codes with 8 ANDs and one shift."""
+    page needs, no spills in it with the compiler's registers, 16-byte cp.async copies of the codes, the shared memory
+    that shared_bytes plans occupancy with."""
     code = textwrap.dedent("""
         import torch
         from kernels.decode_gluon import shared_bytes
         from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
-        for method, dtype, operands in (("kitty-pro", torch.bfloat16, "magic"), ("kivi-k2v2", torch.float16, "magic"),
-                                        ("kitty", torch.bfloat16, "magic"), ("kitty-pro", torch.bfloat16, "subnormal")):
-            compiled = compile_gluon_kernel(method, dtype, 4, operands=operands)
+        for method, dtype in (("kitty-pro", torch.bfloat16), ("kivi-k2v2", torch.float16), ("kitty", torch.bfloat16)):
+            compiled = compile_gluon_kernel(method, dtype, 4)
             row = profile(compiled)
             wide = compiled.asm["ptx"].count("cp.async.cg.shared.global [")
             planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128)
-            print(method + "-" + operands, row["loop matrix"], row["loop local ld/st"], row["shared bytes"], planned,
-                  wide, row["loop integer"])
+            print(method, row["loop matrix"], row["loop local ld/st"], row["shared bytes"], planned, wide)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in run.stdout.splitlines()}
-    # kitty-pro: 4 quarters x (2 x 8 key + 2 x 2 boosted + 2 x 8 value tiles) products and up to 36 for the bf16
-    # offsets (rows of one constant operand: the compiler shares them); kivi-k2v2 in fp16: exact codes, no boosted
-    # plane, no offset; kitty: 16 boosted channels, one 16-column tile
-    # subnormal operands: no offsets
-    assert 4 * (16 + 4 + 16) < rows["kitty-pro-magic"][0] <= 4 * (16 + 4 + 16) + 36, run.stdout
-    assert rows["kivi-k2v2-magic"][0] == 4 * (16 + 16), run.stdout
-    assert 4 * (16 + 2 + 16) < rows["kitty-magic"][0] <= 4 * (16 + 2 + 16) + 36, run.stdout
-    assert rows["kitty-pro-subnormal"][0] == 4 * (16 + 4 + 16), run.stdout
-    for method, (matrix, spills, shared, planned, wide, integer) in rows.items():
-        assert spills == 0 and shared == planned, run.stdout
+    # kitty-pro: 4 quarters x (2 x 8 key + 2 x 2 boosted + 2 x 8 value tiles) products; kivi-k2v2: no boosted plane;
+    # kitty: 16 boosted channels, one 16-column tile
+    assert rows["kitty-pro"][0] == 4 * (16 + 4 + 16), run.stdout
+    assert rows["kivi-k2v2"][0] == 4 * (16 + 16), run.stdout
+    assert rows["kitty"][0] == 4 * (16 + 2 + 16), run.stdout
+    # no spills in the page loop, but for kivi-k2v2, where ptxas settles at 168 registers and reloads two
+    # loop-invariant words from the stack once a page
+    for method, (matrix, spills, shared, planned, wide) in rows.items():
+        assert spills <= (2 if method == "kivi-k2v2" else 0) and shared == planned, run.stdout
     # a page's key and value codes in 16-byte cp.async copies
-    assert rows["kitty-pro-magic"][4] >= (4096 + 1024 + 4096) // 16 // 32, run.stdout
-    assert rows["kivi-k2v2-magic"][4] >= 8192 // 16 // 32, run.stdout
-    assert rows["kitty-magic"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
-    # kitty-pro's page: 72 words of codes a thread; the magic numbers' fourth field needs two more shifts a word
-    words = (4096 + 1024 + 4096) // 4 // 32
-    assert 9 * words <= rows["kitty-pro-subnormal"][5] <= rows["kitty-pro-magic"][5] - 2 * words, run.stdout
+    assert rows["kitty-pro"][4] >= (4096 + 1024 + 4096) // 16 // 32 and rows["kivi-k2v2"][4] >= 8192 // 16 // 32
+    assert rows["kitty"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
 
 
 def test_default_splits_are_the_h200_sweeps_best():
@@ -424,43 +419,6 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     assert 0 < counts["loop matrix"] < counts["matrix"] and counts["loop cp.async"] > 0, run.stdout
     refused = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert refused.returncode == 2 and "TRITON_INTERPRET=0" in refused.stderr
-
-
-def test_programmatic_dependent_launch_compiles_into_both_kernels_for_hopper():
-    """decode_attention(pdl=True): the split kernel lets the merge launch early (griddepcontrol.launch_dependents)
-    and the merge waits for the partials (griddepcontrol.wait); compiled for sm_90 without a GPU. Without pdl
-    neither instruction is there. (Its results on the H200: test_decode_attention_with_pdl_equals_without.)"""
-    code = textwrap.dedent("""
-        import torch, triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from kernels.decode_attention import _merge_splits_kernel
-        from kernels.sass_profile import compile_split_kernel
-        for pdl in (False, True):
-            split = compile_split_kernel("kitty-pro", torch.bfloat16, 4, pdl=pdl).asm["ptx"]
-            signature = {"po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "out_ptr": "*bf16", "NPART": "i32",
-                         "D": "constexpr", "BLOCK_S": "constexpr", "BLOCK_DC": "constexpr", "PDL": "constexpr"}
-            source = ASTSource(fn=_merge_splits_kernel, signature=signature,
-                               constexprs={"D": 128, "BLOCK_S": 64, "BLOCK_DC": 32, "PDL": pdl})
-            merge = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
-            print(pdl, "griddepcontrol.launch_dependents" in split, "griddepcontrol.wait" in merge)
-    """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["False", "False", "False", "True", "True", "True"], run.stdout
-
-
-@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs a Hopper or later GPU")
-def test_decode_attention_with_pdl_equals_without():
-    kv, _, _ = random_paged_kv([4100, 300, 1], heads=2, head_dim=128, n_boost=32, seed=5, device=DEVICE,
-                               dtype=torch.bfloat16)
-    q = torch.randn(3, 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
-    for splits in (None, 7):
-        plain = decode_attention(q, kv, 128 ** -0.5, num_splits=splits)
-        torch.testing.assert_close(decode_attention(q, kv, 128 ** -0.5, num_splits=splits, pdl=True), plain,
-                                   atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("g,d", [(36, 64), (128, 64), (64, 128)])
