@@ -634,13 +634,14 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
 
 
 KERNELS = ("auto", "triton", "gluon")
-# The Gluon kernel (decode_gluon.py) spends about 1,860 instructions per page against Triton's 2,420. Its first
-# version, with no software pipelining, won where each program walks many pages (throughput-bound launches: batch
-# 64, batch 8 at 32K, 10-20 % faster) and lost where programs take one or two pages (latency-bound: batch 1, batch
-# 8 at 4K, up to 1.7x slower), measured on the H200 in session 9; "auto" follows that line. Session 10's version
-# (32-column chunks, pages copied ahead with cp.async) keeps that line: 1.2-1.4x faster than Triton at batch 64 and
-# at batch 8 / 32K, up to 1.5x slower at batch 1 (BENCHMARKS.md section 1).
-GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor (144-160: spills; 176-255: fewer programs)
+# The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
+# (`python -m kernels.sass_profile --kernel gluon`). Its first version, with no software pipelining, won where each
+# program walks many pages (throughput-bound launches: batch 64, batch 8 at 32K) and lost where programs take one or
+# two pages (latency-bound: batch 1, batch 8 at 4K), measured on the H200 in session 9; "auto" follows that line.
+# Session 11's version keeps it: 1.4-1.7x faster than Triton at batch 64 and at batch 8 / 32K, 1.1-1.4x slower at
+# batch 1 and at batch 8 / 4K (BENCHMARKS.md section 1).
+GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor (measured: 152-168 alike, 128: spills, 176-255:
+                              # fewer programs)
 MIN_GLUON_PAGES = 4           # pages per program from which "auto" takes the Gluon kernel
 
 

@@ -16,6 +16,9 @@ instructions per page). Here the layouts are explicit (Gluon), and the page layo
   all 4 channel quarters), so that one chunk's codes are live at once.
 - Pages arrive by cp.async into one shared-memory buffer per kind, each refilled with the next slot's page as soon
   as this slot has read it: a page's load latency is spent on half a page of arithmetic.
+- The operands' scaling is fp16 arithmetic, two elements an instruction (queries times scales, probabilities times
+  scales), and the sums that need no per-element weights are products with a first operand of ones: the keys'
+  zero term sum_d q_d * zero_d, the probabilities' sum and their sum times the values' zeros.
 - Scores leave the key product as (token, head) accumulator tiles; the probabilities go to the value product's
   (token, head) operand through one layout conversion per token quarter.
 
@@ -50,6 +53,10 @@ QUARTER_ASM = gl.constexpr(tuple(f"and.b32 $0, $2, {m:#x}; and.b32 $1, $3, {m:#x
                                  for m in (0x00030003 << 2 * i for i in range(4))))
 QUARTER_WEIGHT = gl.constexpr(tuple(2.0 ** 24 / 4 ** i for i in range(4)))
 DOT = gl.float16
+# The queries enter the key operands as q * Q_SCALE in fp16: exact for bf16 and fp16 queries (a power of two, where a
+# query times qk_scale would be rounded), with products q * scale and q * zero up to 16 * 65,504 before they overflow;
+# qk_scale / Q_SCALE is applied to the fp32 sums.
+Q_SCALE = gl.constexpr(1.0 / 16)
 
 
 def supports(q: torch.Tensor, kv: PagedKV) -> bool:
@@ -98,6 +105,23 @@ def _b_operand(x, K: gl.constexpr):
 
 
 HEADS = gl.constexpr(HEADS_PER_TILE)
+
+
+@gluon.jit
+def _b_any_order(x, K: gl.constexpr):
+    """(K, heads) tile in _cols_layout(K) -> the same registers as a second mma operand, rows in any order (for a
+    product with a first operand whose columns are all equal: a sum over rows)."""
+    x = gl.permute(gl.reshape(x, [4, K // 16, 2, 2, HEADS]), [1, 2, 0, 3, 4])
+    return gl.convert_layout(gl.reshape(x, [K, HEADS]), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
+
+
+@gluon.jit
+def _mul2(x, y):
+    """x * y in fp16, a register's two elements an instruction as they lie (the compiler pairs elements the way
+    their use does, and a reordered use costs two byte permutes an instruction)."""
+    x, y = gl.broadcast(x, y)
+    return gl.inline_asm_elementwise(asm="mul.rn.f16x2 $0, $1, $2;", constraints="=r,r,r", args=[x, y], dtype=DOT,
+                                     is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -168,8 +192,9 @@ def _chunk(K):
 def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
                 NB: gl.constexpr):
     """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
-    accumulator tiles. q_s: the group's queries times qk_scale in shared memory, (D/KC, KC, HEADS); q_rows /
-    hmask_b: (1, HEADS) pointers to the query rows and the real heads, for the boosted channels' gather."""
+    accumulator tiles. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS), taken times
+    qk_scale / Q_SCALE in the fp32 sums; q_rows / hmask_b: (1, HEADS) pointers to the query rows and the real heads,
+    for the boosted channels' gather."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -177,39 +202,43 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     if NB > 0 and NB <= 32:
         # one chunk of boosted channels: its gathers first, so that their latency is spent on the low plane
-        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D, NB)
+        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
     s0 = gl.zeros([G4, HEADS], gl.float32, mma)
     s1 = gl.zeros([G4, HEADS], gl.float32, mma)
     s2 = gl.zeros([G4, HEADS], gl.float32, mma)
     s3 = gl.zeros([G4, HEADS], gl.float32, mma)
-    zq = gl.zeros([KC, HEADS], gl.float32, cols)                 # sum_d q_d * zero_d, folded over chunks at the end
+    # sum_d q_d * zero_d on every row, by the matrix unit: ones @ (q * zero), a product per 16 x 16 tile instead of a
+    # conversion and a multiply-add per element and a reduction over lanes
+    zq = gl.zeros([G4, HEADS], gl.float32, mma)
+    ones = gl.full([G4, KC], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
     for c in gl.static_range(D // KC):
-        q = q_s.index(c).load(cols)
-        zq += q * kzero_s.slice(c * KC, KC).load(vec).to(gl.float32)[:, None]
-        b = _b_operand((q * kscale_s.slice(c * KC, KC).load(vec).to(gl.float32)[:, None]).to(DOT), KC)
+        q = q_s.index(c).load(cols)                     # the operands in fp16 arithmetic: 2 elements an instruction
+        zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
+        b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC)
         s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         NBC: gl.constexpr = _chunk(NB)
         for c in gl.static_range(NB // NBC):
             if NB > 32:
-                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D, NBC)
+                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D, NBC)
             s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
                                             G4, NBC)
-    zq = _heads_vector(gl.sum(zq, axis=0))[None, :]
-    return (s0 * _pick(QUARTER_WEIGHT, 0) + zq, s1 * _pick(QUARTER_WEIGHT, 1) + zq,
-            s2 * _pick(QUARTER_WEIGHT, 2) + zq, s3 * _pick(QUARTER_WEIGHT, 3) + zq)
+    scale = qk_scale * (1.0 / Q_SCALE)
+    zq = zq * scale
+    return (s0 * (_pick(QUARTER_WEIGHT, 0) * scale) + zq, s1 * (_pick(QUARTER_WEIGHT, 1) * scale) + zq,
+            s2 * (_pick(QUARTER_WEIGHT, 2) * scale) + zq, s3 * (_pick(QUARTER_WEIGHT, 3) * scale) + zq)
 
 
 @gluon.jit
-def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
-    """The second operand of boosted-channel chunk c: 4 * q_ch * scale_ch * qk_scale (NBC, HEADS), gathered from the
+def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
+    """The second operand of boosted-channel chunk c: 4 * Q_SCALE * q_ch * scale_ch (NBC, HEADS), gathered from the
     query rows and the page's scales in global memory (L1 / L2)."""
     lay: gl.constexpr = _cols_layout(NBC)
     ch = ch_s.slice(c * NBC, NBC).load(gl.SliceLayout(1, lay)).to(gl.int32)
     ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
     q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None], mask=gl.convert_layout(hmask_b, lay), other=0.0)
-    return _b_operand((q_ch.to(gl.float32) * qk_scale * (4.0 * ch_scale)[:, None]).to(DOT), NBC)
+    return _b_operand((q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT), NBC)
 
 
 @gluon.jit
@@ -217,9 +246,9 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
                     G: gl.constexpr, V_BITS: gl.constexpr):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
     vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
-    (p * scale) (token, head). The sums of p and of p * zero stay (G/4, HEADS) tiles (l_t, z_t), summed over their
-    rows once at the end. Returns the new running max, l_t, z_t and the 4 channel quarters' accumulators (channel
-    quarter i times 4^i * 2^-24)."""
+    (p * scale) (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t:
+    (16, HEADS) tiles, every row the sum). Returns the new running max, l_t, z_t and the 4 channel quarters'
+    accumulators (channel quarter i times 4^i * 2^-24)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -233,13 +262,14 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     acc2 = acc2 * alpha
     acc3 = acc3 * alpha
     scores = (s0, s1, s2, s3)
-    rows: gl.constexpr = gl.SliceLayout(1, mma)
+    tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
+    ones = gl.full([16, G4], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
     for i in gl.static_range(4):
-        p = gl.exp2(scores[i] - m_new[None, :])
-        l_t += p
-        z_t += p * vzero_s.slice(i * G4, G4).load(rows).to(gl.float32)[:, None]
-        pv = (p * vscale_s.slice(i * G4, G4).load(rows).to(gl.float32)[:, None]).to(DOT)
-        pv = _b_operand(gl.convert_layout(pv, _cols_layout(G4)), G4)
+        # the probabilities in fp16, as (token, head) operands, then times the tokens' scales and zeros in fp16
+        p = gl.convert_layout(gl.exp2(scores[i] - m_new[None, :]).to(DOT), _cols_layout(G4))
+        l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
+        z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
+        pv = _b_operand(_mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None]), G4)
         acc0, acc1, acc2, acc3 = _tile_products(vlow_s.slice(i * D4, D4).load(_rows_layout(G4)), pv, acc0, acc1, acc2,
                                                 acc3, D4, G4)
         if V_BITS == 4:
@@ -341,9 +371,9 @@ def _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D: gl
 
 @gluon.constexpr_function
 def _queries_shared():
-    """(chunks, KC, HEADS) fp32 queries: each head's KC channels contiguous, 16-byte groups XOR-swizzled by head,
-    so that _cols_layout(KC) reads them without bank conflicts."""
-    return gl.SwizzledSharedLayout(4, 1, 8, [0, 1])
+    """(chunks, KC, HEADS) fp16 queries, each head's KC channels contiguous: a quarter warp's 16-byte reads in
+    _cols_layout(KC) cover 128 contiguous bytes (no bank conflicts)."""
+    return gl.SwizzledSharedLayout(1, 1, 1, [0, 1])
 
 
 # triton 3.7 calls gl.thread_barrier (3.6, the H200's version) gl.barrier
@@ -386,21 +416,20 @@ def _gluon_paged_kernel(
     kpage_next = gl.load(ktab + gl.minimum(start + 1, last)).to(gl.int64) * H + h
     vpage_next = gl.load(vtab + gl.minimum(start + 1, last)).to(gl.int64) * H + h
 
-    # the group's queries times qk_scale, chunk by chunk into shared memory; heads past the group are zero
+    # the group's queries times Q_SCALE in fp16, chunk by chunk into shared memory; heads past the group are zero
     cols: gl.constexpr = _cols_layout(KC)
     heads_q = gl.arange(0, HEADS, layout=gl.SliceLayout(0, cols))
     q_rows = q_ptr + ((b * H + h) * GROUP + heads_q[None, :]).to(gl.int64) * D
     hmask_b = heads_q[None, :] < GROUP
-    q_s = gl.allocate_shared_memory(gl.float32, [D // KC, KC, HEADS], _queries_shared())
+    q_s = gl.allocate_shared_memory(DOT, [D // KC, KC, HEADS], _queries_shared())
     d = gl.arange(0, KC, layout=gl.SliceLayout(1, cols))
     for c in gl.static_range(D // KC):
-        q = gl.load(q_rows + c * KC + d[:, None], mask=hmask_b, other=0.0).to(gl.float32) * qk_scale
-        q_s.index(c).store(q)
+        q_s.index(c).store((gl.load(q_rows + c * KC + d[:, None], mask=hmask_b, other=0.0) * Q_SCALE).to(DOT))
 
     mma: gl.constexpr = _mma()
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    l_t = gl.zeros([G4, HEADS], gl.float32, mma)
-    z_t = gl.zeros([G4, HEADS], gl.float32, mma)
+    l_t = gl.zeros([16, HEADS], gl.float32, mma)       # sums of p and of p * zero on every row
+    z_t = gl.zeros([16, HEADS], gl.float32, mma)
     acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
@@ -433,11 +462,11 @@ def _gluon_paged_kernel(
     hmask = heads < GROUP
     idx = ((b * H + h) * GROUP + heads).to(gl.int64) * NPART + part
     gl.store(pm_ptr + idx, m_i, mask=hmask)
-    gl.store(pl_ptr + idx, gl.sum(l_t, axis=0), mask=hmask)
+    gl.store(pl_ptr + idx, gl.max(l_t, axis=0), mask=hmask)           # rows all equal: any one of them
     c = gl.arange(0, D4, layout=gl.SliceLayout(1, mma))
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
-    zrow = gl.sum(z_t, axis=0)[None, :]
+    zrow = gl.max(z_t, axis=0)[None, :]
     gl.store(out, acc0 * _pick(QUARTER_WEIGHT, 0) + zrow, mask=omask)
     gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
@@ -456,7 +485,7 @@ def shared_bytes(kv: PagedKV, head_dim: int) -> int:
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + nb + 4 * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
-    return 32 * d + CONVERT_SCRATCH + key + value
+    return 16 * d + CONVERT_SCRATCH + key + value
 
 
 def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:

@@ -248,9 +248,11 @@ GLUON_CASES = [
 def test_gluon_decode_attention_matches_reference(case):
     """The Gluon kernel with one split (programs of many slots: every buffer refilled many times), three, and the
     default split, at the compiler's registers and the default cap, against the reference and the Triton kernel;
-    the partials and the output poisoned first, so that an unwritten element fails. Its operands are fp16 for both
-    query dtypes: with fp16 queries it computes what the Triton kernel computes; with bf16 ones it must be at least
-    as close to the reference as the Triton kernel's bf16 operands."""
+    the partials and the output poisoned first, so that an unwritten element fails. Its arithmetic is not the Triton
+    kernel's (fp16 operands for both query dtypes, products with ones for the zero terms and the sums of p): it
+    must be about as close to the reference as the Triton kernel (within 25 %), or within a quarter of the
+    tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton kernel's operands are bf16), 0.8-1.08x
+    the Triton kernel's error with fp16 ones."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
@@ -268,11 +270,8 @@ def test_gluon_decode_attention_matches_reference(case):
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
-        if dtype == torch.float16:
-            assert rel_err(out, triton_out) < tol / 2, f"splits={splits}: {rel_err(out, triton_out):.2e} from Triton"
-        else:
-            assert rel_err(out, ref) <= rel_err(triton_out, ref), \
-                f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
+        assert rel_err(out, ref) <= max(1.25 * rel_err(triton_out, ref), tol / 4), \
+            f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
 
 
 def test_gluon_kernel_compiles_for_hopper_with_register_operands():
@@ -296,14 +295,15 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in run.stdout.splitlines()}
     # kitty-pro: 4 quarters x (2 x 8 key + 2 x 2 boosted + 2 x 8 value tiles) products; kivi-k2v2: no boosted plane;
-    # kitty: 16 boosted channels, one 16-column tile
-    assert rows["kitty-pro"][0] == 4 * (16 + 4 + 16), run.stdout
-    assert rows["kivi-k2v2"][0] == 4 * (16 + 16), run.stdout
-    assert rows["kitty"][0] == 4 * (16 + 2 + 16), run.stdout
-    # no spills in the page loop, but for kivi-k2v2, where ptxas settles at 168 registers and reloads two
-    # loop-invariant words from the stack once a page
+    # kitty: 16 boosted channels, one 16-column tile. Each also has the products with ones: the keys' zero term, one
+    # per 16 channels (its two 16-row tiles are one product, which the compiler shares), and the sums of p and of
+    # p * zero, one each per 16 tokens
+    ones = 128 // 16 + 2 * 128 // 16
+    assert rows["kitty-pro"][0] == 4 * (16 + 4 + 16) + ones, run.stdout
+    assert rows["kivi-k2v2"][0] == 4 * (16 + 16) + ones, run.stdout
+    assert rows["kitty"][0] == 4 * (16 + 2 + 16) + ones, run.stdout
     for method, (matrix, spills, shared, planned, wide) in rows.items():
-        assert spills <= (2 if method == "kivi-k2v2" else 0) and shared == planned, run.stdout
+        assert spills == 0 and shared == planned, run.stdout
     # a page's key and value codes in 16-byte cp.async copies
     assert rows["kitty-pro"][4] >= (4096 + 1024 + 4096) // 16 // 32 and rows["kivi-k2v2"][4] >= 8192 // 16 // 32
     assert rows["kitty"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
