@@ -272,7 +272,7 @@ def bench_tune(args) -> dict:
                       # at other caps (resident programs against spills), each at the split its programs choose
                       "kernel": [gluon(GLUON_MAXNREG)],
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
-                      "gluon-maxnreg": [gluon(r) for r in (128, 152, 160, 176, 192, 255)]}
+                      "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:

@@ -640,8 +640,8 @@ KERNELS = ("auto", "triton", "gluon")
 # two pages (latency-bound: batch 1, batch 8 at 4K), measured on the H200 in session 9; "auto" follows that line.
 # Session 11's version keeps it: 1.4-1.7x faster than Triton at batch 64 and at batch 8 / 32K, 1.1-1.4x slower at
 # batch 1 and at batch 8 / 4K (BENCHMARKS.md section 1).
-GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor (measured: 152-168 alike, 128: spills, 176-255:
-                              # fewer programs)
+GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor, as at 129-167 (decode_gluon.resident_programs);
+                              # 128 gives 16, with spills (measured slower), 176-255 fewer
 MIN_GLUON_PAGES = 4           # pages per program from which "auto" takes the Gluon kernel
 
 

@@ -489,9 +489,11 @@ def shared_bytes(kv: PagedKV, head_dim: int) -> int:
 
 
 def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
-    """One-warp programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers (65,536 per
-    multiprocessor, maxnreg per thread) and by shared memory."""
-    by_registers = 65536 // (32 * maxnreg)
+    """One-warp programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers and by shared
+    memory. A warp's registers come from one of the 4 schedulers' files of 16,384 (in steps of 8 a thread), so 129 to
+    170 registers a thread leave 3 warps a scheduler, 12 programs (ncu on the H200 at 144 and 168 registers:
+    BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
+    by_registers = 4 * (16384 // (32 * (-(-maxnreg // 8) * 8)))
     by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim) + SHARED_RESERVED)
     return max(1, min(by_registers, by_shared))
 
