@@ -227,7 +227,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-warps")
 
 
 def bench_tune(args) -> dict:
@@ -252,16 +252,15 @@ def bench_tune(args) -> dict:
             chosen = default_splits(batch, h, pages, sm_count)
             # the split count around the default (1 warp, 3 stages, register cap MAXNREG), then at the default split
             # other register caps (a cap buys resident programs with spills), pipeline depths and two warps per
-            # program (each a half of every page: no spills at 128 registers, a third more instructions in all), the
-            # merge launched while the split kernel runs (programmatic dependent launch), and paged slots two at a
-            # time (at the cap, and with the compiler's registers: a latency-bound launch has few programs anyway)
+            # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
+            # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton")
 
-            def gluon(maxnreg, quarters=4):
+            def gluon(maxnreg, quarters=4, warps=1):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
-                own = split_count(q, kv, "gluon", maxnreg)
-                return {**base, "kernel": "gluon", "maxnreg": maxnreg,
+                own = split_count(q, kv, "gluon", maxnreg, warps)
+                return {**base, "kernel": "gluon", "maxnreg": maxnreg, "warps": warps,
                         "splits": max(1, min(pages, own * quarters // 4))}
 
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
@@ -272,7 +271,10 @@ def bench_tune(args) -> dict:
                       # at other caps (resident programs against spills), each at the split its programs choose
                       "kernel": [gluon(GLUON_MAXNREG)],
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
-                      "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)]}
+                      "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
+                      # two warps a program, each half of a page's rows (decode_gluon.WARPS): 16 warps a
+                      # multiprocessor at 128 registers
+                      "gluon-warps": [gluon(r, warps=2) for r in (255, 128, 112)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:

@@ -649,7 +649,7 @@ def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_war
     """default_splits for a launch of `kernel` ("triton" or "gluon") at its register cap (and, for Gluon, its
     shared memory): one wave of the programs a multiprocessor holds."""
     from . import decode_gluon
-    resident = (decode_gluon.resident_programs(kv, q.shape[-1], maxnreg) if kernel == "gluon"
+    resident = (decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, num_warps) if kernel == "gluon"
                 else resident_programs(maxnreg, num_warps))
     return default_splits(q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device),
                           resident)
@@ -672,9 +672,10 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: split_count);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
     (defaults tuned on the H200: MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). With a
-    workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call. kernel: the paged blocks' kernel, "triton", "gluon"
-    (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto" (choose_kernel); with
-    Gluon, the Triton kernel still runs the remaining blocks (sink, buffers) and maxnreg caps the Gluon kernel."""
+    workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call. kernel: the
+    paged blocks' kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to
+    Triton) or "auto" (choose_kernel); with Gluon, the Triton kernel still runs the remaining blocks (sink, buffers)
+    with one warp, and maxnreg and num_warps (decode_gluon.WARPS) are the Gluon kernel's."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
@@ -684,7 +685,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         kernel = choose_kernel(q, kv, num_splits, num_warps)
     elif kernel == "gluon":
         from . import decode_gluon
-        kernel = "gluon" if decode_gluon.supports(q, kv) else "triton"
+        kernel = "gluon" if decode_gluon.supports(q, kv, num_warps) else "triton"
     if maxnreg is None:
         maxnreg = GLUON_MAXNREG if kernel == "gluon" else MAXNREG
     if num_splits is None:
@@ -695,8 +696,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, first)
     if kernel == "gluon":
         from . import decode_gluon
-        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg)
-        maxnreg = MAXNREG
+        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg,
+                            num_warps)
+        maxnreg, num_warps = MAXNREG, 1
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     _decode_split_kernel[(bsz, h, num_parts - first)](*args, **constants, **options)
     return merge_splits(part_o, part_m, part_l, out)

@@ -67,7 +67,7 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90, maxnreg: int = 255):
+                         splits: int = 16, arch: int = 90, maxnreg: int = 255, num_warps: int = 1):
     """The Gluon kernel of decode_attention(kernel="gluon") for the same example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -78,7 +78,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
              torch.zeros(1, heads * group, splits))
     args, constants = kernel_arguments(q, kv, 1.0, parts, splits)
     return _compile(GluonASTSource, _gluon_paged_kernel, args, constants, arch,
-                    {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
+                    {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
 
 def _compile(source_class, fn, args, constants, arch, options):
@@ -159,7 +159,8 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         if args.kernel == "gluon":
-            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255)
+            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
+                                            num_warps=args.warps)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg)
