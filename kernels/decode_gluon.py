@@ -49,8 +49,8 @@ SPREAD = gl.constexpr("mov.b32 $0, $2; shr.b32 $1, $2, 8;")
 # codes take one shift (_spread) and 8 ANDs, against 11 instructions and offset products with bf16 magic numbers
 # (the Triton kernel's unpacking; measured 10 % slower at batch 64 / 32K, BENCHMARKS.md section 1, session 11). The
 # matrix unit multiplies subnormal fp16 operands exactly, and a quarter's weight 2^24 / 4^i is applied to its fp32
-# sums. Both query dtypes take fp16 operands: queries times scales keep 3 more bits than in bf16 and overflow only
-# past 65,504 per channel's term.
+# sums. Both query dtypes take fp16 operands: queries times scales keep 3 more bits than in bf16 (the overflow bound
+# is Q_SCALE's, below).
 QUARTER_ASM = gl.constexpr(tuple(f"and.b32 $0, $2, {m:#x}; and.b32 $1, $3, {m:#x};"
                                  for m in (0x00030003 << 2 * i for i in range(4))))
 QUARTER_WEIGHT = gl.constexpr(tuple(2.0 ** 24 / 4 ** i for i in range(4)))
