@@ -94,30 +94,24 @@ def field_weights(dtype: torch.dtype) -> list[float]:
 def unpack_asm(dtype: torch.dtype, offset: bool = False) -> str:
     """PTX: one word of 4 bytes ($8) -> for each quarter i, the 16-bit pairs of field i of bytes (0, 1) in $2i and
     of bytes (2, 3) in $2i+1, as exact values 0..3 of `dtype` (offset=True: as M + w_i * code, field_weights)."""
-    lines = ["{ .reg .b32 t, u, v, s, o;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;"]
-    for i in range(4):
-        lines += _field_lines(dtype, i, offset, f"${2 * i}", f"${2 * i + 1}")
-    return " ".join(lines) + " }"
-
-
-def _field_lines(dtype: torch.dtype, i: int, offset: bool, out_t: str, out_u: str) -> list[str]:
-    """Field i of words t and u (the prmt-ed word and that >> 8) into out_t / out_u (may shift t and u)."""
-    magic, weight = MAGIC[dtype], field_weights(dtype)[i]
+    magic = MAGIC[dtype]
     fma = {torch.bfloat16: "fma.rn.bf16x2", torch.float16: "fma.rn.f16x2"}[dtype]
-    shift = 2 * i                                     # where field i sits; fields past the mantissa move down
-    lines = []
-    if i >= FIELDS_IN_MANTISSA[dtype]:
-        lines += [f"shr.b32 t, t, {shift};", f"shr.b32 u, u, {shift};"]
-        shift = 0
-    if not offset:
-        lines += [f"mov.b32 s, {_bits16(1.0 / weight, dtype):#x};", f"mov.b32 o, {_bits16(-magic / weight, dtype):#x};"]
-    for word, out in (("t", out_t), ("u", out_u)):
-        mask = f"{0x00030003 << shift:#x}, {_bits16(magic, dtype):#x}, 0xea;"
-        if offset:
-            lines += [f"lop3.b32 {out}, {word}, {mask}"]
-        else:
-            lines += [f"lop3.b32 v, {word}, {mask}", f"{fma} {out}, v, s, o;"]
-    return lines
+    lines = ["{ .reg .b32 t, u, v, s, o;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;"]
+    for i, weight in enumerate(field_weights(dtype)):
+        shift = 2 * i                                 # where field i sits; fields past the mantissa move down
+        if i >= FIELDS_IN_MANTISSA[dtype]:
+            lines += [f"shr.b32 t, t, {shift};", f"shr.b32 u, u, {shift};"]
+            shift = 0
+        if not offset:
+            lines += [f"mov.b32 s, {_bits16(1.0 / weight, dtype):#x};",
+                      f"mov.b32 o, {_bits16(-magic / weight, dtype):#x};"]
+        for k, word in enumerate("tu"):
+            mask = f"{0x00030003 << shift:#x}, {_bits16(magic, dtype):#x}, 0xea;"
+            if offset:
+                lines += [f"lop3.b32 ${2 * i + k}, {word}, {mask}"]
+            else:
+                lines += [f"lop3.b32 v, {word}, {mask}", f"{fma} ${2 * i + k}, v, s, o;"]
+    return " ".join(lines) + " }"
 
 
 UNPACK_FP16 = tl.constexpr(unpack_asm(torch.float16))

@@ -186,14 +186,15 @@ def _vector_layout(N, BYTES, W):
 
 @gluon.jit
 def _copy_vector(smem, ptr, N: gl.constexpr, BYTES: gl.constexpr):
-    async_copy.async_copy_global_to_shared(smem, ptr + gl.arange(0, N, layout=_vector_layout(N, BYTES, gl.num_warps())))
+    layout: gl.constexpr = _vector_layout(N, BYTES, gl.num_warps())
+    async_copy.async_copy_global_to_shared(smem, ptr + gl.arange(0, N, layout=layout))
 
 
 # ---------------------------------------------------------------------------------------------- one paged slot
 # A slot is computed a chunk of a plane's columns at a time (KC = 32 of a key page's channels, or one token quarter
 # of a value page: 32 or 16 tokens), so that only one chunk's codes are unpacked and live at once: with whole tiles
-# the kernel wanted 218-240 registers and spilled at its cap. A slot's tiles are read from its shared-memory buffers, where each plane is
-# stored chunk by chunk ([chunks, rows, columns] bytes: conflict-free reads of a chunk).
+# the kernel wanted 218-240 registers and spilled at its cap. A slot's tiles are read from its shared-memory
+# buffers, where each plane is stored chunk by chunk ([chunks, rows, columns] bytes: conflict-free reads of a chunk).
 KC = gl.constexpr(32)
 
 
@@ -264,7 +265,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
     vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
     (p * scale) (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t:
-    (16, HEADS) tiles, every row the sum). Returns the new running max, l_t, z_t and the 4 channel quarters'
+    (16 * warps, HEADS) tiles, every row the sum). Returns the new running max, l_t, z_t and the 4 channel quarters'
     accumulators (channel quarter i times 4^i * 2^-24)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
@@ -301,8 +302,9 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
 # A slot's tiles are copied into one buffer per kind with cp.async (16 bytes a thread): the next slot's keys as soon
 # as this slot's keys are read, its values as soon as this slot's values are read, so that a page's load latency is
 # spent on half a page of arithmetic (a second buffer of each, a whole slot ahead, measured 9 % slower: its shared
-# memory allows 8 programs per multiprocessor instead of 12; BENCHMARKS.md section 1, session 10). A plane the method does not have (no boosted
-# channels, 2-bit values) gets a placeholder that nothing reads, which the compiler drops.
+# memory allows 8 programs per multiprocessor instead of 12; BENCHMARKS.md section 1, session 10). A plane the
+# method does not have (no boosted channels, 2-bit values) gets a placeholder that nothing reads, which the compiler
+# drops.
 @gluon.constexpr_function
 def _plane_shared():
     return gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -321,8 +323,9 @@ def _plane_shape(R, K, C, PRESENT):
 
 @gluon.constexpr_function
 def _copy_layout(CH, R, C, W):
-    """A [CH, R, C] chunked plane over a warp for cp.async, in the page's own byte order: a thread's 16 bytes, then
-    the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16)."""
+    """A [CH, R, C] chunked plane over W warps for cp.async, in the page's own byte order: a thread's 16 bytes,
+    then the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16); the
+    warps take blocks of rows."""
     tk = C // 16
     tc = min(CH, 32 // tk)
     return gl.BlockedLayout([1, 1, 16], [tc, 32 // (tk * tc), tk], [1, W, 1], [2, 0, 1])
@@ -435,7 +438,8 @@ def _gluon_paged_kernel(
     vpage_next = gl.load(vtab + gl.minimum(start + 1, last)).to(gl.int64) * H + h
 
     # the group's queries times Q_SCALE in fp16, chunk by chunk into shared memory; heads past the group are zero
-    cols: gl.constexpr = _cols_layout(KC, gl.num_warps())
+    W: gl.constexpr = gl.num_warps()
+    cols: gl.constexpr = _cols_layout(KC, W)
     heads_q = gl.arange(0, HEADS, layout=gl.SliceLayout(0, cols))
     q_rows = q_ptr + ((b * H + h) * GROUP + heads_q[None, :]).to(gl.int64) * D
     hmask_b = heads_q[None, :] < GROUP
@@ -444,10 +448,10 @@ def _gluon_paged_kernel(
     for c in gl.static_range(D // KC):
         q_s.index(c).store((gl.load(q_rows + c * KC + d[:, None], mask=hmask_b, other=0.0) * Q_SCALE).to(DOT))
 
-    mma: gl.constexpr = _mma(gl.num_warps())
+    mma: gl.constexpr = _mma(W)
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    l_t = gl.zeros([16 * gl.num_warps(), HEADS], gl.float32, mma)     # sums of p and of p * zero on every row
-    z_t = gl.zeros([16 * gl.num_warps(), HEADS], gl.float32, mma)
+    l_t = gl.zeros([16 * W, HEADS], gl.float32, mma)     # sums of p and of p * zero on every row
+    z_t = gl.zeros([16 * W, HEADS], gl.float32, mma)
     acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
