@@ -82,6 +82,22 @@ def median_seconds(fn, quick: bool) -> float:
     return statistics.median(times)
 
 
+def kernel_us(fn, calls: int = 20) -> dict[str, float]:
+    """Mean device time of each GPU kernel fn launches, per call of fn (torch.profiler's CUDA activity): beside
+    median_seconds' total, it says how much of a call is each kernel and how much is the gaps between them."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            times[event.key] = times.get(event.key, 0.0) + event.device_time_total / calls
+    return times
+
+
 def copy_bandwidth() -> float | None:
     """Device-to-device copy GB/s, bytes read + written (the ceiling for memory-bound kernels)."""
     if not torch.cuda.is_available():
@@ -273,8 +289,9 @@ def bench_tune(args) -> dict:
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
                       # two warps a program, each half of a page's rows (decode_gluon.WARPS): 16 warps a
-                      # multiprocessor at 128 registers
-                      "gluon-warps": [gluon(r, warps=2) for r in (255, 128, 112)]}
+                      # multiprocessor at 128 registers, there also at half and twice its split
+                      "gluon-warps": [gluon(r, warps=2) for r in (255, 128, 112)]
+                      + [gluon(128, f, warps=2) for f in (2, 8)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
@@ -282,12 +299,14 @@ def bench_tune(args) -> dict:
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"])
                 seconds = median_seconds(run, args.quick)
+                kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
-                                 us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9))
+                                 us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels))
                 print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {v if isinstance(v, str) else int(v)}"
                                                             for k, v in setting.items())
                       + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
-                      f"{rows[-1]['gbs']:7.0f} GB/s", flush=True)
+                      f"{rows[-1]['gbs']:7.0f} GB/s" + "".join(f" | {name[:24]} {us:.1f}"
+                                                               for name, us in kernels.items()), flush=True)
             del layer, kv, k, v
             if device == "cuda":
                 torch.cuda.empty_cache()
