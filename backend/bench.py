@@ -243,7 +243,8 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-warps")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-warps",
+               "gluon-rest")
 
 
 def bench_tune(args) -> dict:
@@ -271,18 +272,19 @@ def bench_tune(args) -> dict:
             # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton")
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=1,
+                        rest_stream=False)
 
-            def gluon(maxnreg, quarters=4, warps=1):
+            def gluon(maxnreg, quarters=4, warps=1, **rest):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
                 own = split_count(q, kv, "gluon", maxnreg, warps)
                 return {**base, "kernel": "gluon", "maxnreg": maxnreg, "warps": warps,
-                        "splits": max(1, min(pages, own * quarters // 4))}
+                        "splits": max(1, min(pages, own * quarters // 4)), **rest}
 
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
                       "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
-                      "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
+                      "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)] + [{**base, "warps": 4}],
                       # the Gluon kernel over the paged blocks at its register cap, at half and twice its split, and
                       # at other caps (resident programs against spills), each at the split its programs choose
                       "kernel": [gluon(GLUON_MAXNREG)],
@@ -291,13 +293,18 @@ def bench_tune(args) -> dict:
                       # two warps a program, each half of a page's rows (decode_gluon.WARPS): 16 warps a
                       # multiprocessor at 128 registers, there also at half and twice its split
                       "gluon-warps": [gluon(r, warps=2) for r in (255, 128, 112)]
-                      + [gluon(128, f, warps=2) for f in (2, 8)]}
+                      + [gluon(128, f, warps=2) for f in (2, 8)],
+                      # the remaining blocks' Triton launch beside the Gluon kernel: more warps a program (their
+                      # latency at batch 1), and on a second stream, concurrent with the Gluon kernel
+                      "gluon-rest": [gluon(GLUON_MAXNREG, rest_warps=w, rest_stream=concurrent)
+                                     for concurrent in (False, True) for w in (1, 2, 4)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
-                                               maxnreg=setting["maxnreg"], kernel=setting["kernel"])
+                                               maxnreg=setting["maxnreg"], kernel=setting["kernel"],
+                                               rest_warps=setting["rest_warps"], rest_stream=setting["rest_stream"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,

@@ -661,7 +661,8 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_splits: int | None, num_warp
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, kernel: str = "auto") -> torch.Tensor:
+                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int = 1,
+                     rest_stream: bool = False) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: split_count);
     num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
@@ -669,7 +670,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call. kernel: the
     paged blocks' kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to
     Triton) or "auto" (choose_kernel); with Gluon, the Triton kernel still runs the remaining blocks (sink, buffers)
-    with one warp, and maxnreg and num_warps (decode_gluon.WARPS) are the Gluon kernel's."""
+    in a launch of their own, with rest_warps warps a program, on a second stream beside the Gluon kernel's when
+    rest_stream (the two launches write different partials; the merge waits for both), and maxnreg and num_warps
+    (decode_gluon.WARPS) are the Gluon kernel's."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
@@ -688,14 +691,34 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
     first = num_splits if kernel == "gluon" else 0
     args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, first)
-    if kernel == "gluon":
-        from . import decode_gluon
-        decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg,
-                            num_warps)
-        maxnreg, num_warps = MAXNREG, 1
-    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-    _decode_split_kernel[(bsz, h, num_parts - first)](*args, **constants, **options)
+    if kernel == "triton":
+        options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
+        _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options)
+        return merge_splits(part_o, part_m, part_l, out)
+    from . import decode_gluon
+    main = torch.cuda.current_stream(q.device)
+    side = _side_stream(q.device) if rest_stream else main
+    if rest_stream:
+        side.wait_stream(main)                        # the queries and the cache are written on the main stream
+    with torch.cuda.stream(side):
+        _decode_split_kernel[(bsz, h, num_parts - first)](*args, **constants, num_warps=rest_warps,
+                                                          num_stages=num_stages, maxnreg=MAXNREG)
+    decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg,
+                        num_warps)
+    if rest_stream:
+        main.wait_stream(side)
     return merge_splits(part_o, part_m, part_l, out)
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A second stream of `device` for the remaining blocks' launch, made once (a stream made inside a CUDA graph's
+    capture would not be part of it)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,
