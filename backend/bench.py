@@ -54,6 +54,7 @@ import triton.testing
 from kernels.decode_attention import (GLUON_MAXNREG, KERNELS, MAXNREG, DecodeWorkspace,
                                       decode_attention, default_splits, merge_splits, multiprocessors,
                                       resident_programs, split_count)
+from kernels.decode_rest import REST_WARPS, rest_blocks
 
 from . import memory
 from .cache import FLUSH_MODES, KittyLayer
@@ -243,8 +244,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-warps",
-               "gluon-rest")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "rest")
 
 
 def bench_tune(args) -> dict:
@@ -272,14 +272,13 @@ def bench_tune(args) -> dict:
             # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=1,
-                        rest_stream=False)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=REST_WARPS,
+                        rest_stream=device == "cuda")
 
-            def gluon(maxnreg, quarters=4, warps=1, **rest):
+            def gluon(maxnreg, quarters=4):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
-                own = split_count(q, kv, "gluon", maxnreg, warps)
-                return {**base, "kernel": "gluon", "maxnreg": maxnreg, "warps": warps,
-                        "splits": max(1, min(pages, own * quarters // 4)), **rest}
+                own = split_count(q, kv, "gluon", maxnreg)
+                return {**base, "kernel": "gluon", "maxnreg": maxnreg, "splits": max(1, min(pages, own * quarters // 4))}
 
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
@@ -290,14 +289,11 @@ def bench_tune(args) -> dict:
                       "kernel": [gluon(GLUON_MAXNREG)],
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
-                      # two warps a program, each half of a page's rows (decode_gluon.WARPS): 16 warps a
-                      # multiprocessor at 128 registers, there also at half and twice its split
-                      "gluon-warps": [gluon(r, warps=2) for r in (255, 128, 112)]
-                      + [gluon(128, f, warps=2) for f in (2, 8)],
-                      # the remaining blocks' Triton launch beside the Gluon kernel: more warps a program (their
-                      # latency at batch 1), and on a second stream, concurrent with the Gluon kernel
-                      "gluon-rest": [gluon(GLUON_MAXNREG, rest_warps=w, rest_stream=concurrent)
-                                     for concurrent in (False, True) for w in (1, 2, 4)]}
+                      # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program,
+                      # and on the paged slots' stream or a second one
+                      "rest": [{**setting, "rest_warps": w, "rest_stream": concurrent}
+                               for setting in (base, gluon(GLUON_MAXNREG)) for concurrent in (False, True)
+                               for w in (1, 2, 4)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
@@ -381,14 +377,14 @@ def decode_workspace_bytes(method: str, model, flush_spread: int = 1,
     """(fixed bytes, bytes per sequence) of the Kitty decode kernel's per-layer workspace (DecodeWorkspace): float32
     partials (output, max, sum) of each query head for the programs over the paged blocks (default_splits: at most
     one wave of them in all once the batch is large, else one per sequence and KV head) and for the remaining
-    blocks (remaining_blocks: sink, buffers), plus the output. Nothing for transformers' caches."""
+    blocks (decode_rest.rest_blocks: sink, buffers), plus the output. Nothing for transformers' caches."""
     if method.startswith("hf-"):
         return 0.0, 0.0
     cfg, cache = model.config, method_config(method)
     layers, h, hq, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     elem = 2 if model.dtype != torch.float32 else 4
     g = cache.page_size
-    remaining = -(-cache.sink // g) + -(-(cache.local_window + g + flush_spread - 1) // g) + 1
+    remaining = rest_blocks(g, cache.sink, cache.sink + cache.local_window + g + flush_spread - 1)
     part = hq * (d + 2) * 4
     wave = resident_programs(MAXNREG) * sm_count
     return layers * part * wave / h, layers * (part * (remaining + 1) + hq * d * elem)

@@ -26,6 +26,7 @@ kernel runs at 128 registers with 16 programs per multiprocessor and is 1.3-1.6x
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -33,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_rest import REST_WARPS, launch_rest, rest_parts
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV
 
@@ -170,22 +172,13 @@ KC = tl.constexpr(32)        # channels per key chunk: keeps one chunk's four un
 
 
 @triton.jit
-def _program_blocks(seqlen_ptr, nkp_ptr, nvp_ptr, b, part, NSPLIT, S: tl.constexpr, G: tl.constexpr):
-    """Which blocks of sequence b program `part` reads: paged slots [start, end) when part < NSPLIT (the blocks
-    with a key page and a value page, shared evenly), else remaining block `rest` < n_rest (the sink's blocks,
-    then the G-token slots after the paged ones: a key page with full-precision values, the buffers)."""
-    length = tl.load(seqlen_ptr + b)
-    nkp = tl.load(nkp_ptr + b)
-    nvp = tl.load(nvp_ptr + b)
-    n_paged = tl.minimum(nkp, nvp)
+def _program_slots(nkp_ptr, nvp_ptr, b, part, NSPLIT):
+    """The paged slots [start, end) of sequence b that program `part` < NSPLIT reads: the slots with both a key page
+    and a value page, shared evenly (decode_rest.py takes the other blocks)."""
+    n_paged = tl.minimum(tl.load(nkp_ptr + b), tl.load(nvp_ptr + b))
     per_split = tl.cdiv(n_paged, NSPLIT)
-    start = tl.where(part < NSPLIT, part * per_split, 0)
-    end = tl.where(part < NSPLIT, tl.minimum(start + per_split, n_paged), 0)
-    sink_len = tl.minimum(length, S)
-    n_sink_blocks = tl.cdiv(sink_len, G)
-    n_rest = n_sink_blocks + tl.cdiv(length - sink_len, G) - n_paged
-    rest = tl.where(part >= NSPLIT, part - NSPLIT, n_rest)
-    return start, end, rest, n_rest, n_sink_blocks, sink_len, n_paged, length, nkp, nvp
+    start = part * per_split
+    return start, tl.minimum(start + per_split, n_paged)
 
 
 @triton.jit
@@ -237,46 +230,17 @@ def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
 
 
 @triton.jit
-def _fp_key_scores(q_cols, hmask, qk_scale, kfp_ptr, row0, n_valid, D: tl.constexpr, G4: tl.constexpr,
-                   DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G4: tl.constexpr):
-    """Scores (log2 units, (token, head)) of the 4 token quarters of up to 4*G4 full-precision keys from row
-    `row0` of k_fp."""
-    j = tl.arange(0, BLOCK_G4)
-    s0 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
-    s1 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
-    s2 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
-    s3 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
-    for chunk in tl.static_range(0, D, KC):
-        d = chunk + tl.arange(0, KC)
-        dmask = d < D
-        q = tl.load(q_cols[None, :] + d[:, None], mask=dmask[:, None] & hmask[None, :], other=0.0)
-        q = (q.to(tl.float32) * qk_scale).to(DOT)
-        ptrs = kfp_ptr + (row0 + j[:, None]).to(tl.int64) * D + d[None, :]
-        mask = (j < G4)[:, None] & dmask[None, :]
-        s0 = tl.dot(tl.load(ptrs, mask=mask & (j < n_valid)[:, None], other=0.0).to(DOT), q, s0,
-                    input_precision=PREC)
-        s1 = tl.dot(tl.load(ptrs + G4 * D, mask=mask & (G4 + j < n_valid)[:, None], other=0.0).to(DOT), q, s1,
-                    input_precision=PREC)
-        s2 = tl.dot(tl.load(ptrs + 2 * G4 * D, mask=mask & (2 * G4 + j < n_valid)[:, None], other=0.0).to(DOT), q,
-                    s2, input_precision=PREC)
-        s3 = tl.dot(tl.load(ptrs + 3 * G4 * D, mask=mask & (3 * G4 + j < n_valid)[:, None], other=0.0).to(DOT), q,
-                    s3, input_precision=PREC)
-    return s0, s1, s2, s3
-
-
-@triton.jit
-def _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4: tl.constexpr, BLOCK_G4: tl.constexpr,
-                    MASKED: tl.constexpr):
-    """Mask the 4 quarters' scores ((token, head) tiles in log2 units; with MASKED, tokens >= n_valid are out),
+def _online_softmax(s0, s1, s2, s3, m_i, l_i, G4: tl.constexpr, BLOCK_G4: tl.constexpr):
+    """The 4 quarters' scores of a full page ((token, head) tiles in log2 units, rows past G4 padding, masked out)
     update the running max and sum per head. Returns the probabilities, the factor the running output must be
     multiplied by, the new max / sum."""
-    if MASKED:
+    if BLOCK_G4 != G4:
         j = tl.arange(0, BLOCK_G4)
         jmask = (j < G4)[:, None]
-        s0 = tl.where(jmask & (j < n_valid)[:, None], s0, float("-inf"))
-        s1 = tl.where(jmask & (G4 + j < n_valid)[:, None], s1, float("-inf"))
-        s2 = tl.where(jmask & (2 * G4 + j < n_valid)[:, None], s2, float("-inf"))
-        s3 = tl.where(jmask & (3 * G4 + j < n_valid)[:, None], s3, float("-inf"))
+        s0 = tl.where(jmask, s0, float("-inf"))
+        s1 = tl.where(jmask, s1, float("-inf"))
+        s2 = tl.where(jmask, s2, float("-inf"))
+        s3 = tl.where(jmask, s3, float("-inf"))
     # one reduction across the tile's rows (threads) for the 4 quarters, after an elementwise max / sum in registers
     m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), axis=0))
     alpha = tl.math.exp2(m_i - m_new)
@@ -317,30 +281,6 @@ def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr, v
 
 
 @triton.jit
-def _fp_value_quarter(p, acc0, acc1, acc2, acc3, vfp_ptr, row0, n_valid, quarter: tl.constexpr, D: tl.constexpr,
-                      G4: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, OFFSET: tl.constexpr,
-                      BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr):
-    """Accumulate token quarter `quarter` of up to 4*G4 full-precision values from row `row0` of v_fp. OFFSET:
-    channel quarter i's accumulator holds w_i * output (see _value_quarter), so these terms are scaled alike
-    (by a power of 2: exact)."""
-    D4: tl.constexpr = D // 4
-    j = tl.arange(0, BLOCK_G4)
-    c = tl.arange(0, BLOCK_D4)
-    tok = quarter * G4 + j
-    ptrs = vfp_ptr + (row0 + tok[None, :]).to(tl.int64) * D + c[:, None]       # (channel, token)
-    mask = (c < D4)[:, None] & ((tok < n_valid) & (j < G4))[None, :]
-    pd = p.to(DOT)
-    pd1, pd2 = pd, pd
-    if OFFSET:
-        pd1, pd2 = (p * OFFSET_W1).to(DOT), (p * OFFSET_W2).to(DOT)
-    acc0 = tl.dot(tl.load(ptrs, mask=mask, other=0.0).to(DOT), pd, acc0, input_precision=PREC)
-    acc1 = tl.dot(tl.load(ptrs + D4, mask=mask, other=0.0).to(DOT), pd1, acc1, input_precision=PREC)
-    acc2 = tl.dot(tl.load(ptrs + 2 * D4, mask=mask, other=0.0).to(DOT), pd2, acc2, input_precision=PREC)
-    acc3 = tl.dot(tl.load(ptrs + 3 * D4, mask=mask, other=0.0).to(DOT), pd, acc3, input_precision=PREC)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
 def _pick(x0, x1, x2, x3, i: tl.constexpr):
     """x_i, chosen at compile time (i: a static_range index): Triton cannot index a tuple of tensors by a loop
     variable."""
@@ -375,7 +315,7 @@ def _paged_values(s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, 
     """The rest of a paged slot once its key page's scores are known: the online softmax, the running output
     rescaled, and the slot's value page `vpage` accumulated. Returns the new max, sum and accumulators."""
     G4: tl.constexpr = G // 4
-    p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, G, m_i, l_i, G4, BLOCK_G4, BLOCK_G4 != G4)
+    p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, m_i, l_i, G4, BLOCK_G4)
     alpha_row = alpha[None, :]
     acc0, acc1, acc2, acc3 = acc0 * alpha_row, acc1 * alpha_row, acc2 * alpha_row, acc3 * alpha_row
     zacc, pacc = zacc * alpha, pacc * alpha
@@ -387,30 +327,29 @@ def _paged_values(s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, 
 
 # Sizes that grow during generation are not specialized on (Triton would compile a new variant whenever one
 # becomes a multiple of 16, stalling a decode step for a second or more).
-@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT", "NPART", "FIRST_PART"])
+@triton.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART"])
 def _decode_split_kernel(
-        q_ptr, kfp_ptr, vfp_ptr,
-        klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
+        q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
-        ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr,
+        ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr,
         po_ptr, pm_ptr, pl_ptr,
-        qk_scale, CK, CV, KMP, VMP, NSPLIT, NPART, FIRST_PART,
-        H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+        qk_scale, KMP, VMP, NSPLIT, NPART,
+        H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
         BLOCK_NB: tl.constexpr):
+    """Program (b, h, part < NSPLIT): the paged slots of sequence b, KV head h that _program_slots gives it, written
+    as partial (output, max, sum) number `part`."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    part = tl.program_id(2) + FIRST_PART      # FIRST_PART = NSPLIT: the Gluon kernel took the paged blocks
+    part = tl.program_id(2)
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
-    start, end, rest, n_rest, n_sink_blocks, sink_len, n_paged, length, nkp, nvp = _program_blocks(
-        seqlen_ptr, nkp_ptr, nvp_ptr, b, part, NSPLIT, S, G)
+    start, end = _program_slots(nkp_ptr, nvp_ptr, b, part, NSPLIT)
 
     heads = tl.arange(0, BLOCK_M)                        # BLOCK_M: the query heads of the group, padded
     hmask = heads < GROUP
     q_cols = q_ptr + (b * H * GROUP + h * GROUP + heads).to(tl.int64) * D
-    kv_head = (b * H + h).to(tl.int64)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -431,35 +370,6 @@ def _decode_split_kernel(
         m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc = _paged_values(
             s0, s1, s2, s3, m_i, l_i, acc0, acc1, acc2, acc3, zacc, pacc, vpage, vlow_ptr, vhigh_ptr, vscale_ptr,
             vzero_ptr, G, D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4, BLOCK_D4)
-
-    for blk in range(rest, tl.minimum(rest + 1, n_rest)):   # at most one remaining block per program
-        in_sink = blk < n_sink_blocks
-        slot = blk - n_sink_blocks + n_paged
-        n_valid = tl.where(in_sink, sink_len - blk * G, tl.minimum(G, length - S - slot * G))
-        if (blk >= n_sink_blocks) & (slot < nkp):
-            kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
-            s0, s1, s2, s3 = _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                              kzero_ptr, kpage, D, G4, NB, DOT, PREC, ASM, OFFSET, BLOCK_M,
-                                              BLOCK_G4, BLOCK_NB)
-        else:
-            row0 = tl.where(in_sink, blk * G, S + (slot - nkp) * G)
-            s0, s1, s2, s3 = _fp_key_scores(q_cols, hmask, qk_scale, kfp_ptr + kv_head * CK * D, row0, n_valid,
-                                            D, G4, DOT, PREC, BLOCK_M, BLOCK_G4)
-        # a program with a remaining block has no paged ones (_program_blocks): nothing accumulated to rescale
-        p0, p1, p2, p3, alpha, m_i, l_i = _online_softmax(s0, s1, s2, s3, n_valid, m_i, l_i, G4, BLOCK_G4, True)
-        if (blk >= n_sink_blocks) & (slot < nvp):
-            vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-            acc0, acc1, acc2, acc3, zacc, pacc = _value_page(p0, p1, p2, p3, acc0, acc1, acc2, acc3, zacc, pacc,
-                                                             vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, vpage, G,
-                                                             D4, V_BITS, DOT, PREC, ASM, OFFSET, BLOCK_G4,
-                                                             BLOCK_D4)
-        else:
-            row0 = tl.where(in_sink, blk * G, S + (slot - nvp) * G)
-            vfp = vfp_ptr + kv_head * CV * D
-            for quarter in tl.static_range(4):
-                acc0, acc1, acc2, acc3 = _fp_value_quarter(_pick(p0, p1, p2, p3, quarter), acc0, acc1, acc2, acc3,
-                                                           vfp, row0, n_valid, quarter, D, G4, DOT, PREC, OFFSET,
-                                                           BLOCK_G4, BLOCK_D4)
 
     idx = (b * H * GROUP + h * GROUP + heads).to(tl.int64) * NPART + part
     tl.store(pm_ptr + idx, m_i, mask=hmask)
@@ -540,6 +450,11 @@ def dot_dtype(dtype: torch.dtype):
     return tl.float32
 
 
+def precision(dot) -> str:
+    """tl.dot's input precision for operands of type `dot` (float32 ones only on the interpreter: exact there)."""
+    return "ieee" if dot == tl.float32 else "tf32"
+
+
 REGISTERS_PER_SM = 65536      # 32-bit registers of an H100 / H200 multiprocessor (what bounds resident programs here)
 # Register cap per thread of the decode kernel. The compiler takes 255 (8 resident one-warp programs per
 # multiprocessor); at 128 the main loop spills about 50 of its ~2,500 instructions per page to L1, and the 16
@@ -573,13 +488,6 @@ def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 13
     return max(1, min(wave // (batch * kv_heads), triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
 
 
-def remaining_blocks(kv: PagedKV) -> int:
-    """An upper bound (from sizes the host knows) on the blocks of a sequence that are not paged on both sides:
-    the sink's, and the full-precision buffers' (key Q-buffer; value Q-buffer and window; all of a 16-bit side)."""
-    g, s = kv.page_size, kv.sink
-    return triton.cdiv(s, g) + triton.cdiv(max(kv.k_fp.shape[2], kv.v_fp.shape[2]) - s, g) + 1
-
-
 class DecodeWorkspace:
     """decode_attention's partial results and output, kept between calls of one layer so that a decode step
     allocates nothing (and a captured CUDA graph keeps its addresses). The output returned by a call is
@@ -599,27 +507,23 @@ class DecodeWorkspace:
         return self.buffers
 
 
-def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int,
-                           first_part: int = 0) -> tuple[tuple, dict]:
-    """Run-time arguments and compile-time constants of _decode_split_kernel for one launch; parts are the
-    (output, max, sum) partials: num_splits programs over the paged blocks, the rest one remaining block each
-    (with first_part = num_splits the grid holds only the latter: the Gluon kernel runs the former). Also used to
-    compile the kernel for a profile. BLOCK_M: the group's query heads padded to the matrix
-    instruction's 8 columns. BLOCK_NB: the boosted channels padded to at least 32, so that kitty's 16 take
-    kitty-pro's layouts (with 16 columns its high-bits tile needed other layouts and shared-memory moves: 2,640
-    instructions per page and 12.5 KB of shared memory against 2,396 and 9.7 KB; BENCHMARKS.md section 1).
-    OFFSET: bf16 code operands stay M + w * code (_quarters_offset); fp16 ones are exact codes, because fp16's
-    M = 1024 would leave too few bits after the offset is taken out."""
+def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
+    """Run-time arguments and compile-time constants of _decode_split_kernel for one launch of num_splits programs
+    per (sequence, KV head) over the paged slots; parts are the (output, max, sum) partials. Also used to compile
+    the kernel for a profile. BLOCK_M: the group's query heads padded to the matrix instruction's 8 columns.
+    BLOCK_NB: the boosted channels padded to at least 32, so that kitty's 16 take kitty-pro's layouts (with 16
+    columns its high-bits tile needed other layouts and shared-memory moves: 2,640 instructions per page and 12.5 KB
+    of shared memory against 2,396 and 9.7 KB; BENCHMARKS.md section 1). OFFSET: bf16 code operands stay M + w *
+    code (_quarters_offset); fp16 ones are exact codes, because fp16's M = 1024 would leave too few bits after the
+    offset is taken out."""
     part_o, part_m, part_l = parts
     bsz, hq, d = q.shape
     h, g = kv.k_fp.shape[1], kv.page_size
-    args = (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero,
-            kv.v_low, kv.v_high, kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages,
-            kv.n_vpages, part_o, part_m, part_l, sm_scale * math.log2(math.e), kv.k_fp.shape[2], kv.v_fp.shape[2],
-            kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2], first_part)
+    args = (q, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high, kv.v_scale, kv.v_zero,
+            kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l, sm_scale * math.log2(math.e),
+            kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     dot = dot_dtype(q.dtype)
-    constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
-                     PREC="ieee" if dot == tl.float32 else "tf32",
+    constants = dict(H=h, GROUP=hq // h, D=d, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot, PREC=precision(dot),
                      ASM=0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0),
                      OFFSET=q.dtype == torch.bfloat16, BLOCK_M=max(8, triton.next_power_of_2(hq // h)),
                      BLOCK_G4=max(16, triton.next_power_of_2(g // 4)), BLOCK_D4=max(16, triton.next_power_of_2(d // 4)),
@@ -643,7 +547,7 @@ def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_war
     """default_splits for a launch of `kernel` ("triton" or "gluon") at its register cap (and, for Gluon, its
     shared memory): one wave of the programs a multiprocessor holds."""
     from . import decode_gluon
-    resident = (decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, num_warps) if kernel == "gluon"
+    resident = (decode_gluon.resident_programs(kv, q.shape[-1], maxnreg) if kernel == "gluon"
                 else resident_programs(maxnreg, num_warps))
     return default_splits(q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device),
                           resident)
@@ -661,18 +565,18 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_splits: int | None, num_warp
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int = 1,
-                     rest_stream: bool = False) -> torch.Tensor:
+                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int = REST_WARPS,
+                     rest_stream: bool | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
-    num_splits: programs sharing each (sequence, KV head)'s paged blocks (default: split_count);
-    num_warps / num_stages / maxnreg: warps per program, software-pipelining depth and register cap per thread
-    (defaults tuned on the H200: MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). With a
-    workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call. kernel: the
-    paged blocks' kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to
-    Triton) or "auto" (choose_kernel); with Gluon, the Triton kernel still runs the remaining blocks (sink, buffers)
-    in a launch of their own, with rest_warps warps a program, on a second stream beside the Gluon kernel's when
-    rest_stream (the two launches write different partials; the merge waits for both), and maxnreg and num_warps
-    (decode_gluon.WARPS) are the Gluon kernel's."""
+    Three launches: the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers) and the merge of
+    their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default: split_count);
+    num_warps / num_stages: the Triton kernel's warps per program and software-pipelining depth (the Gluon kernel's
+    programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned on the H200:
+    MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). kernel: that kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot
+    take fall back to Triton) or "auto" (choose_kernel). rest_warps: warps a program of the remaining blocks;
+    rest_stream: run those on a second stream, concurrent with the paged slots (default: on a GPU; the two write
+    different partials, and the merge waits for both). With a workspace, its buffers are reused (see
+    DecodeWorkspace); without, they are allocated per call."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
@@ -682,32 +586,31 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         kernel = choose_kernel(q, kv, num_splits, num_warps)
     elif kernel == "gluon":
         from . import decode_gluon
-        kernel = "gluon" if decode_gluon.supports(q, kv, num_warps) else "triton"
+        kernel = "gluon" if decode_gluon.supports(q, kv) else "triton"
     if maxnreg is None:
         maxnreg = GLUON_MAXNREG if kernel == "gluon" else MAXNREG
     if num_splits is None:
         num_splits = split_count(q, kv, kernel, maxnreg, num_warps)
-    num_parts = num_splits + remaining_blocks(kv)
-    part_o, part_m, part_l, out = (workspace or DecodeWorkspace()).get(q, num_parts)
-    first = num_splits if kernel == "gluon" else 0
-    args, constants = split_kernel_arguments(q, kv, sm_scale, (part_o, part_m, part_l), num_splits, first)
-    if kernel == "triton":
-        options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-        _decode_split_kernel[(bsz, h, num_parts)](*args, **constants, **options)
-        return merge_splits(part_o, part_m, part_l, out)
-    from . import decode_gluon
-    main = torch.cuda.current_stream(q.device)
-    side = _side_stream(q.device) if rest_stream else main
+    parts = (workspace or DecodeWorkspace()).get(q, num_splits + rest_parts(kv))
+    qk_scale = sm_scale * math.log2(math.e)
+    rest_stream = q.is_cuda if rest_stream is None else rest_stream and q.is_cuda
+    main = torch.cuda.current_stream(q.device) if rest_stream else None
+    side = _side_stream(q.device) if rest_stream else None
     if rest_stream:
         side.wait_stream(main)                        # the queries and the cache are written on the main stream
-    with torch.cuda.stream(side):
-        _decode_split_kernel[(bsz, h, num_parts - first)](*args, **constants, num_warps=rest_warps,
-                                                          num_stages=num_stages, maxnreg=MAXNREG)
-    decode_gluon.launch(q, kv, sm_scale * math.log2(math.e), (part_o, part_m, part_l), num_splits, maxnreg,
-                        num_warps)
+    with torch.cuda.stream(side) if rest_stream else contextlib.nullcontext():
+        dot = dot_dtype(q.dtype)
+        launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps)
+    if kernel == "gluon":
+        from . import decode_gluon
+        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg)
+    else:
+        args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
+        _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps, num_stages=num_stages,
+                                                   **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     if rest_stream:
         main.wait_stream(side)
-    return merge_splits(part_o, part_m, part_l, out)
+    return merge_splits(*parts)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

@@ -22,13 +22,12 @@ instructions per page). Here the layouts are explicit (Gluon), and the page layo
 - Scores leave the key product as (token, head) accumulator tiles; the probabilities go to the value product's
   (token, head) operand through one layout conversion per token quarter.
 
-One warp per program, as in the Triton kernel, or two (launch(num_warps=2), for pages and head_dim of 128: each
-warp takes half of every product's rows, a key page's tokens or a value page's channels, so that a warp holds half
-the scores and accumulators: 140 registers against 176; not yet measured on a GPU), with the same split of paged
-slots over NSPLIT programs per (sequence, KV head) and the same partial outputs; the Triton kernel runs the remaining
-blocks (sink, buffers) in a second launch and the same merge combines both. No CPU interpreter runs Gluon:
-`decode_attention(..., kernel="gluon")` is tested on a GPU against the PyTorch reference (tests/test_kernels.py), and
-its static profile comes from `python -m kernels.sass_profile --kernel gluon [--warps 2]`.
+One warp per program, as in the Triton kernel, with the same split of paged slots over NSPLIT programs per
+(sequence, KV head) and the same partial outputs; decode_rest.py runs the remaining blocks (sink, buffers) in a
+launch of their own, and the same merge combines both. (Two warps a program, each half of a page's rows, cost 1.1-1.3x
+the time at every shape measured: BENCHMARKS.md section 1, session 12.) No CPU interpreter runs Gluon:
+`decode_attention(..., kernel="gluon")` is tested on a GPU against the PyTorch reference (tests/test_kernels.py),
+and its static profile comes from `python -m kernels.sass_profile --kernel gluon`.
 """
 from __future__ import annotations
 
@@ -61,58 +60,39 @@ DOT = gl.float16
 Q_SCALE = gl.constexpr(1.0 / 16)
 
 
-WARPS = (1, 2)              # warps a program: 2 split each page's rows (tokens of keys, channels of values) in halves
-
-
-def supports(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> bool:
+def supports(q: torch.Tensor, kv: PagedKV) -> bool:
     """Whether the Gluon kernel handles this launch: a CUDA device of compute capability 8.0 or later (mma.sync),
-    16-bit queries, a KV group of at most 8 heads, head_dim and pages of 64 or 128 (both 128 for 2 warps: rows of 16
-    per warp), and boosted channels that the 32-channel chunks tile (0, 16 or a multiple of 32)."""
+    16-bit queries, a KV group of at most 8 heads, head_dim and pages of 64 or 128, and boosted channels that the
+    32-channel chunks tile (0, 16 or a multiple of 32)."""
     bsz, hq, d = q.shape
     h, g = kv.k_fp.shape[1], kv.page_size
-    sizes = (128,) if num_warps == 2 else (64, 128)
-    return (num_warps in WARPS and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8
             and q.dtype in (torch.bfloat16, torch.float16) and hq // h <= HEADS_PER_TILE
-            and d in sizes and g in sizes and (kv.n_boost in (0, 16) or kv.n_boost % 32 == 0))
-
-
-# Layouts for W warps a program (gl.num_warps()): the matrix products' rows (a key page's tokens, a value page's
-# channels) are split into W blocks of R / W, one a warp; their second operands (queries, probabilities), per-head
-# vectors and the copies' sources are replicated or split as each needs.
-@gluon.constexpr_function
-def _rows_layout(R, K, W):
-    """An (R, K) byte tile: thread (r, c) = (lane / 4, lane % 4) of warp w holds K/4 contiguous bytes of rows
-    w * R / W + r + 8i (with one warp: BlockedLayout([1, K / 4], [8, 4], [1, 1], [1, 0]))."""
-    columns = [[0, 1 << j] for j in range((K // 4).bit_length() - 1)]
-    rows = [[1 << j, 0] for j in range(3, R.bit_length() - 1)]                  # 8, 16, ..., R / 2
-    split = len(rows) - (W.bit_length() - 1)                                    # the largest go to warps
-    return gl.DistributedLinearLayout(reg_bases=columns + rows[:split], lane_bases=[[0, K // 4], [0, K // 2],
-                                      [1, 0], [2, 0], [4, 0]], warp_bases=rows[split:], block_bases=[], shape=[R, K])
+            and d in (64, 128) and g in (64, 128) and (kv.n_boost in (0, 16) or kv.n_boost % 32 == 0))
 
 
 @gluon.constexpr_function
-def _cols_layout(K, W):
-    """A (K, heads) operand: thread (c, n) = (lane % 4, lane / 4) holds K/4 contiguous rows of head n, in every
-    warp."""
-    return gl.BlockedLayout([K // 4, 1], [4, 8], [W, 1], [0, 1])
+def _rows_layout(K):
+    """A (rows, K) byte tile: thread (r, c) = (lane / 4, lane % 4) holds K/4 contiguous bytes of rows r + 8i."""
+    return gl.BlockedLayout([1, K // 4], [8, 4], [1, 1], [1, 0])
 
 
 @gluon.constexpr_function
-def _mma(W):
-    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+def _cols_layout(K):
+    """A (K, heads) operand: thread (c, n) = (lane % 4, lane / 4) holds K/4 contiguous rows of head n."""
+    return gl.BlockedLayout([K // 4, 1], [4, 8], [1, 1], [0, 1])
 
 
 @gluon.constexpr_function
-def _operand(i, W):
-    """The layout of mma operand i (0: the codes, 1: queries or probabilities) for W warps."""
-    return gl.DotOperandLayout(i, _mma(W), 2)
+def _mma():
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 
 
 @gluon.jit
 def _a_operand(x, R: gl.constexpr, K: gl.constexpr):
-    """(R, K) tile in _rows_layout(R, K) -> the same registers as the first mma operand, columns in operand order."""
+    """(R, K) tile in _rows_layout(K) -> the same registers as the first mma operand, columns in operand order."""
     x = gl.permute(gl.reshape(x, [R, 4, K // 16, 2, 2]), [0, 2, 3, 1, 4])
-    return gl.convert_layout(gl.reshape(x, [R, K]), _operand(0, gl.num_warps()), assert_trivial=True)
+    return gl.convert_layout(gl.reshape(x, [R, K]), gl.DotOperandLayout(0, _mma(), 2), assert_trivial=True)
 
 
 @gluon.jit
@@ -122,7 +102,7 @@ def _b_operand(x, K: gl.constexpr):
     as (0, 2) and (1, 3) (a swap inside each 4 rows here)."""
     x = gl.reshape(gl.permute(gl.reshape(x, [K // 4, 2, 2, HEADS]), [0, 2, 1, 3]), [K, HEADS])
     x = gl.permute(gl.reshape(x, [4, K // 16, 2, 2, HEADS]), [1, 2, 0, 3, 4])
-    return gl.convert_layout(gl.reshape(x, [K, HEADS]), _operand(1, gl.num_warps()), assert_trivial=True)
+    return gl.convert_layout(gl.reshape(x, [K, HEADS]), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
 
 
 HEADS = gl.constexpr(HEADS_PER_TILE)
@@ -133,7 +113,7 @@ def _b_any_order(x, K: gl.constexpr):
     """(K, heads) tile in _cols_layout(K) -> the same registers as a second mma operand, rows in any order (for a
     product with a first operand whose columns are all equal: a sum over rows)."""
     x = gl.permute(gl.reshape(x, [4, K // 16, 2, 2, HEADS]), [1, 2, 0, 3, 4])
-    return gl.convert_layout(gl.reshape(x, [K, HEADS]), _operand(1, gl.num_warps()), assert_trivial=True)
+    return gl.convert_layout(gl.reshape(x, [K, HEADS]), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
 
 
 @gluon.jit
@@ -179,15 +159,14 @@ def _tile_products(x, b, acc0, acc1, acc2, acc3, R: gl.constexpr, K: gl.constexp
 
 
 @gluon.constexpr_function
-def _vector_layout(N, BYTES, W):
-    """A (N,) vector of BYTES-byte elements over W warps for cp.async: at least 4 bytes per thread."""
-    return gl.BlockedLayout([max(N // (32 * W), 4 // BYTES)], [32], [W], [0])
+def _vector_layout(N, BYTES):
+    """A (N,) vector of BYTES-byte elements over a warp for cp.async: at least 4 bytes per thread."""
+    return gl.BlockedLayout([max(N // 32, 4 // BYTES)], [32], [1], [0])
 
 
 @gluon.jit
 def _copy_vector(smem, ptr, N: gl.constexpr, BYTES: gl.constexpr):
-    layout: gl.constexpr = _vector_layout(N, BYTES, gl.num_warps())
-    async_copy.async_copy_global_to_shared(smem, ptr + gl.arange(0, N, layout=layout))
+    async_copy.async_copy_global_to_shared(smem, ptr + gl.arange(0, N, layout=_vector_layout(N, BYTES)))
 
 
 # ---------------------------------------------------------------------------------------------- one paged slot
@@ -212,9 +191,8 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
     qk_scale / Q_SCALE in the fp32 sums; q_rows / hmask_b: (1, HEADS) pointers to the query rows and the real heads,
     for the boosted channels' gather."""
     G4: gl.constexpr = G // 4
-    W: gl.constexpr = gl.num_warps()
-    mma: gl.constexpr = _mma(W)
-    cols: gl.constexpr = _cols_layout(KC, W)
+    mma: gl.constexpr = _mma()
+    cols: gl.constexpr = _cols_layout(KC)
     vec: gl.constexpr = gl.SliceLayout(1, cols)
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     if NB > 0 and NB <= 32:
@@ -232,16 +210,15 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
         q = q_s.index(c).load(cols)                     # the operands in fp16 arithmetic: 2 elements an instruction
         zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
         b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC)
-        codes = klow_s.slice(c * G4, G4).load(_rows_layout(G4, KC, W))
-        s0, s1, s2, s3 = _tile_products(codes, b, s0, s1, s2, s3, G4, KC)
+        s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         NBC: gl.constexpr = _chunk(NB)
         for c in gl.static_range(NB // NBC):
             if NB > 32:
                 b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D, NBC)
-            codes = khigh_s.slice(c * G4, G4).load(_rows_layout(G4, NBC, W))
-            s0, s1, s2, s3 = _tile_products(codes, b_nb, s0, s1, s2, s3, G4, NBC)
+            s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
+                                            G4, NBC)
     scale = qk_scale * (1.0 / Q_SCALE)
     zq = zq * scale
     return (s0 * (_pick(QUARTER_WEIGHT, 0) * scale) + zq, s1 * (_pick(QUARTER_WEIGHT, 1) * scale) + zq,
@@ -252,7 +229,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
 def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
     """The second operand of boosted-channel chunk c: 4 * Q_SCALE * q_ch * scale_ch (NBC, HEADS), gathered from the
     query rows and the page's scales in global memory (L1 / L2)."""
-    lay: gl.constexpr = _cols_layout(NBC, gl.num_warps())
+    lay: gl.constexpr = _cols_layout(NBC)
     ch = ch_s.slice(c * NBC, NBC).load(gl.SliceLayout(1, lay)).to(gl.int32)
     ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
     q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None], mask=gl.convert_layout(hmask_b, lay), other=0.0)
@@ -269,8 +246,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     accumulators (channel quarter i times 4^i * 2^-24)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
-    W: gl.constexpr = gl.num_warps()
-    mma: gl.constexpr = _mma(W)
+    mma: gl.constexpr = _mma()
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
     m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
     alpha = gl.exp2(m_i - m_new)[None, :]
@@ -281,20 +257,20 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     acc2 = acc2 * alpha
     acc3 = acc3 * alpha
     scores = (s0, s1, s2, s3)
-    tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4, W))
-    ones = gl.full([16 * W, G4], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
+    tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
+    ones = gl.full([16, G4], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
     for i in gl.static_range(4):
         # the probabilities in fp16, as (token, head) operands, then times the tokens' scales and zeros in fp16
-        p = gl.convert_layout(gl.exp2(scores[i] - m_new[None, :]).to(DOT), _cols_layout(G4, W))
+        p = gl.convert_layout(gl.exp2(scores[i] - m_new[None, :]).to(DOT), _cols_layout(G4))
         l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
         z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
         pv = _b_operand(_mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None]), G4)
-        codes = vlow_s.slice(i * D4, D4).load(_rows_layout(D4, G4, W))
-        acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4)
+        acc0, acc1, acc2, acc3 = _tile_products(vlow_s.slice(i * D4, D4).load(_rows_layout(G4)), pv, acc0, acc1, acc2,
+                                                acc3, D4, G4)
         if V_BITS == 4:
             pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
-            codes = vhigh_s.slice(i * D4, D4).load(_rows_layout(D4, G4, W))
-            acc0, acc1, acc2, acc3 = _tile_products(codes, pv4, acc0, acc1, acc2, acc3, D4, G4)
+            acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4, acc0, acc1,
+                                                    acc2, acc3, D4, G4)
     return m_new, l_t, z_t, acc0, acc1, acc2, acc3
 
 
@@ -322,19 +298,18 @@ def _plane_shape(R, K, C, PRESENT):
 
 
 @gluon.constexpr_function
-def _copy_layout(CH, R, C, W):
-    """A [CH, R, C] chunked plane over W warps for cp.async, in the page's own byte order: a thread's 16 bytes,
-    then the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16); the
-    warps take blocks of rows."""
+def _copy_layout(CH, R, C):
+    """A [CH, R, C] chunked plane over a warp for cp.async, in the page's own byte order: a thread's 16 bytes, then
+    the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16)."""
     tk = C // 16
     tc = min(CH, 32 // tk)
-    return gl.BlockedLayout([1, 1, 16], [tc, 32 // (tk * tc), tk], [1, W, 1], [2, 0, 1])
+    return gl.BlockedLayout([1, 1, 16], [tc, 32 // (tk * tc), tk], [1, 1, 1], [2, 0, 1])
 
 
 @gluon.jit
 def _copy_plane(buf, ptr, page, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr):
     """cp.async of page `page`'s (R, K) code plane (rows of K bytes) into buf, a chunked plane (_plane_shape)."""
-    layout: gl.constexpr = _copy_layout(K // C, R, C, gl.num_warps())
+    layout: gl.constexpr = _copy_layout(K // C, R, C)
     chunks = buf._reinterpret(gl.uint8, [K // C, R, C], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     c = gl.arange(0, K // C, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
     r = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
@@ -411,7 +386,7 @@ def _gluon_paged_kernel(
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
-    _program_blocks split), written as partial (output, max, sum) number `part`."""
+    _program_slots split), written as partial (output, max, sum) number `part`."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     part = gl.program_id(2)
@@ -438,8 +413,7 @@ def _gluon_paged_kernel(
     vpage_next = gl.load(vtab + gl.minimum(start + 1, last)).to(gl.int64) * H + h
 
     # the group's queries times Q_SCALE in fp16, chunk by chunk into shared memory; heads past the group are zero
-    W: gl.constexpr = gl.num_warps()
-    cols: gl.constexpr = _cols_layout(KC, W)
+    cols: gl.constexpr = _cols_layout(KC)
     heads_q = gl.arange(0, HEADS, layout=gl.SliceLayout(0, cols))
     q_rows = q_ptr + ((b * H + h) * GROUP + heads_q[None, :]).to(gl.int64) * D
     hmask_b = heads_q[None, :] < GROUP
@@ -448,10 +422,10 @@ def _gluon_paged_kernel(
     for c in gl.static_range(D // KC):
         q_s.index(c).store((gl.load(q_rows + c * KC + d[:, None], mask=hmask_b, other=0.0) * Q_SCALE).to(DOT))
 
-    mma: gl.constexpr = _mma(W)
+    mma: gl.constexpr = _mma()
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    l_t = gl.zeros([16 * W, HEADS], gl.float32, mma)     # sums of p and of p * zero on every row
-    z_t = gl.zeros([16 * W, HEADS], gl.float32, mma)
+    l_t = gl.zeros([16, HEADS], gl.float32, mma)       # sums of p and of p * zero on every row
+    z_t = gl.zeros([16, HEADS], gl.float32, mma)
     acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
@@ -510,12 +484,12 @@ def shared_bytes(kv: PagedKV, head_dim: int) -> int:
     return 16 * d + CONVERT_SCRATCH + key + value
 
 
-def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, num_warps: int = 1) -> int:
-    """Programs of _gluon_paged_kernel (num_warps warps each) resident on a multiprocessor: bounded by registers and
-    by shared memory. A warp's registers come from one of the 4 schedulers' files of 16,384 (in steps of 8 a thread),
-    so 129 to 170 registers a thread leave 3 warps a scheduler, 12 one-warp programs (ncu on the H200 at 144 and 168
-    registers: BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
-    by_registers = 4 * (16384 // (32 * (-(-maxnreg // 8) * 8))) // num_warps
+def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
+    """One-warp programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers and by shared
+    memory. A warp's registers come from one of the 4 schedulers' files of 16,384 (in steps of 8 a thread), so 129 to
+    170 registers a thread leave 3 warps a scheduler, 12 programs (ncu on the H200 at 144 and 168 registers:
+    BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
+    by_registers = 4 * (16384 // (32 * (-(-maxnreg // 8) * 8)))
     by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim) + SHARED_RESERVED)
     return max(1, min(by_registers, by_shared))
 
@@ -534,10 +508,8 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     return args, constants
 
 
-def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           num_warps: int = 1) -> None:
-    """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's) and
-    num_warps warps a program (WARPS; supports says which launches take 2)."""
+def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int) -> None:
+    """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
-        *args, **constants, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
+        *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

@@ -53,11 +53,12 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
                          maxnreg: int | None = None):
     from triton.compiler import ASTSource
 
-    from kernels.decode_attention import MAXNREG, _decode_split_kernel, remaining_blocks, split_kernel_arguments
+    from kernels.decode_attention import MAXNREG, _decode_split_kernel, split_kernel_arguments
+    from kernels.decode_rest import rest_parts
     maxnreg = maxnreg or MAXNREG
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
-    n = splits + remaining_blocks(kv)
+    n = splits + rest_parts(kv)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
@@ -66,8 +67,24 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
                      **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
 
+def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
+                        arch: int = 90, num_warps: int = 2):
+    """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel."""
+    from triton.compiler import ASTSource
+
+    from kernels.decode_attention import dot_dtype, precision
+    from kernels.decode_rest import _rest_kernel, rest_kernel_arguments, rest_parts
+    kv = example_paged_kv(method, heads, head_dim, dtype)
+    q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
+    n = rest_parts(kv)
+    parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
+             torch.zeros(1, heads * group, n))
+    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)))
+    return _compile(ASTSource, _rest_kernel, args, constants, arch, {"num_warps": num_warps})
+
+
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90, maxnreg: int = 255, num_warps: int = 1):
+                         splits: int = 16, arch: int = 90, maxnreg: int = 255):
     """The Gluon kernel of decode_attention(kernel="gluon") for the same example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -78,7 +95,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
              torch.zeros(1, heads * group, splits))
     args, constants = kernel_arguments(q, kv, 1.0, parts, splits)
     return _compile(GluonASTSource, _gluon_paged_kernel, args, constants, arch,
-                    {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
+                    {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
 
 def _compile(source_class, fn, args, constants, arch, options):
@@ -145,10 +162,13 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head (Qwen3-8B: 4)")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (Hopper: 90)")
-    parser.add_argument("--warps", type=int, default=1, help="warps per program (decode_attention's num_warps)")
+    parser.add_argument("--warps", type=int, default=1,
+                        help="warps per program (the Triton kernel's num_warps, or the rest kernel's rest_warps; the "
+                             "Gluon kernel's programs are one warp)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
-    parser.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
-                        help="decode_attention's kernel over the paged blocks (gluon: kernels/decode_gluon.py)")
+    parser.add_argument("--kernel", choices=["triton", "gluon", "rest"], default="triton",
+                        help="decode_attention's kernel over the paged blocks (gluon: kernels/decode_gluon.py), or "
+                             "the one over the remaining blocks (rest: kernels/decode_rest.py, no loop)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
     args = parser.parse_args(argv)
@@ -159,8 +179,9 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         if args.kernel == "gluon":
-            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
-                                            num_warps=args.warps)
+            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255)
+        elif args.kernel == "rest":
+            compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg)

@@ -21,7 +21,8 @@ from backend.cache import KittyLayer
 from backend.methods import method_config
 from kernels.decode_attention import (MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref,
                                       default_splits, field_weights, gather_kv, merge_blocks, merge_splits,
-                                      remaining_blocks, split_count, unpack_asm)
+                                      split_count, unpack_asm)
+from kernels.decode_rest import rest_parts
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import boost_mask, pack_quarters, unpack_quarters
@@ -244,33 +245,29 @@ GLUON_CASES = [
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
-@pytest.mark.parametrize("warps", [1, 2])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
-def test_gluon_decode_attention_matches_reference(case, warps):
+def test_gluon_decode_attention_matches_reference(case):
     """The Gluon kernel with one split (programs of many slots: every buffer refilled many times), three, and the
     default split, at the compiler's registers and the default cap, against the reference and the Triton kernel;
     the partials and the output poisoned first, so that an unwritten element fails. Its arithmetic is not the Triton
     kernel's (fp16 operands for both query dtypes, products with ones for the zero terms and the sums of p): it
     must be about as close to the reference as the Triton kernel (within 25 %), or within a quarter of the
-    tolerance. Measured on the H200 with one warp: 2-5x closer with bf16 queries (the Triton kernel's operands are
-    bf16), 0.8-1.08x the Triton kernel's error with fp16 ones. Two warps a program (pages and head_dim of 128) each
-    take half of a page's rows."""
+    tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton kernel's operands are bf16),
+    0.8-1.08x the Triton kernel's error with fp16 ones."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
                                v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
-    if warps == 2 and not decode_gluon.supports(q, kv, warps):
-        pytest.skip("two warps a program take pages and head_dim of 128")
-    assert decode_gluon.supports(q, kv, warps)
+    assert decode_gluon.supports(q, kv)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-    for splits, maxnreg in ((1, 255), (3, 168), (split_count(q, kv, "gluon", 168, warps), 168)):
+    for splits, maxnreg in ((1, 255), (3, 168), (split_count(q, kv, "gluon", 168), 168)):
         workspace = DecodeWorkspace()
-        for buffer in workspace.get(q, splits + remaining_blocks(kv)):
+        for buffer in workspace.get(q, splits + rest_parts(kv)):
             buffer.fill_(float("nan"))
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon", maxnreg=maxnreg,
-                               workspace=workspace, num_warps=warps)
+                               workspace=workspace)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
@@ -278,19 +275,19 @@ def test_gluon_decode_attention_matches_reference(case, warps):
             f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
 
 
-@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
-@pytest.mark.parametrize("rest_warps,rest_stream", [(2, False), (4, False), (1, True), (4, True)])
-def test_gluon_remaining_blocks_launch_options(rest_warps, rest_stream):
-    """The remaining blocks' Triton launch beside the Gluon kernel with more warps a program, or on a second stream
-    concurrent with it: the output of one-warp programs on one stream up to the order of float sums, and exactly
-    that output again when the call is captured in a CUDA graph and replayed (the second stream joins the
-    capture)."""
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="streams and graphs need a GPU")
+@pytest.mark.parametrize("kernel", ["triton", "gluon"])
+@pytest.mark.parametrize("rest_warps,rest_stream", [(1, False), (4, False), (1, True), (4, True)])
+def test_remaining_blocks_launch_options(kernel, rest_warps, rest_stream):
+    """The remaining blocks' launch (decode_rest.py) with other warps a program, on the paged slots' stream or a
+    second one: the output of the defaults up to the order of float sums, and exactly that output again when the
+    call is captured in a CUDA graph and replayed (the second stream joins the capture)."""
     kv, _, _ = random_paged_kv([4100, 300, 1], heads=2, head_dim=128, sink=32, page_size=128, window=128, k_bits=2,
                                v_bits=2, n_boost=32, dtype=torch.bfloat16, seed=5, device=DEVICE)
     q = torch.randn(3, 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
-    expected = decode_attention(q, kv, 128 ** -0.5, kernel="gluon")
+    expected = decode_attention(q, kv, 128 ** -0.5, kernel=kernel)
     assert rel_err(expected, decode_attention_ref(q, kv, 128 ** -0.5)) < 1.5e-2
-    run = lambda: decode_attention(q, kv, 128 ** -0.5, kernel="gluon", workspace=workspace,  # noqa: E731
+    run = lambda: decode_attention(q, kv, 128 ** -0.5, kernel=kernel, workspace=workspace,  # noqa: E731
                                    rest_warps=rest_warps, rest_stream=rest_stream)
     workspace = DecodeWorkspace()
     eager = run().clone()
@@ -306,21 +303,20 @@ def test_gluon_remaining_blocks_launch_options(rest_warps, rest_stream):
 
 
 def test_gluon_kernel_compiles_for_hopper_with_register_operands():
-    """Without a GPU: the Gluon kernel compiles for sm_90, with one warp a program and with two (its operand layouts
-    are checked to be register renamings when it is built: convert_layout(..., assert_trivial=True)); its page loop
-    holds exactly the matrix products the page needs, no spills in it with the compiler's registers, 16-byte
-    cp.async copies of the codes, the shared memory that shared_bytes plans occupancy with."""
+    """Without a GPU: the Gluon kernel compiles for sm_90 (its operand layouts are checked to be register renamings
+    when it is built: convert_layout(..., assert_trivial=True)); its page loop holds exactly the matrix products the
+    page needs, no spills in it with the compiler's registers, 16-byte cp.async copies of the codes, the shared
+    memory that shared_bytes plans occupancy with."""
     code = textwrap.dedent("""
         import torch
         from kernels.decode_gluon import shared_bytes
         from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
-        for method, dtype, warps in (("kitty-pro", torch.bfloat16, 1), ("kivi-k2v2", torch.float16, 1),
-                                     ("kitty", torch.bfloat16, 1), ("kitty-pro", torch.bfloat16, 2)):
-            compiled = compile_gluon_kernel(method, dtype, 4, num_warps=warps)
+        for method, dtype in (("kitty-pro", torch.bfloat16), ("kivi-k2v2", torch.float16), ("kitty", torch.bfloat16)):
+            compiled = compile_gluon_kernel(method, dtype, 4)
             row = profile(compiled)
             wide = compiled.asm["ptx"].count("cp.async.cg.shared.global [")
             planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128)
-            print(f"{method}-{warps}", row["loop matrix"], row["loop local ld/st"], row["shared bytes"], planned, wide)
+            print(method, row["loop matrix"], row["loop local ld/st"], row["shared bytes"], planned, wide)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
@@ -330,19 +326,15 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     # kitty: 16 boosted channels, one 16-column tile. Each also has the products with ones: the keys' zero term, one
     # per 16 channels (its two 16-row tiles are one product, which the compiler shares), and the sums of p and of
     # p * zero, one each per 16 tokens
-    # p * zero, one each per 16 tokens. With two warps, each takes half of the rows of every product, and both take
-    # the products with ones
     ones = 128 // 16 + 2 * 128 // 16
-    assert rows["kitty-pro-1"][0] == 4 * (16 + 4 + 16) + ones, run.stdout
-    assert rows["kivi-k2v2-1"][0] == 4 * (16 + 16) + ones, run.stdout
-    assert rows["kitty-1"][0] == 4 * (16 + 2 + 16) + ones, run.stdout
-    assert rows["kitty-pro-2"][0] == 4 * (16 + 4 + 16) // 2 + ones, run.stdout
+    assert rows["kitty-pro"][0] == 4 * (16 + 4 + 16) + ones, run.stdout
+    assert rows["kivi-k2v2"][0] == 4 * (16 + 16) + ones, run.stdout
+    assert rows["kitty"][0] == 4 * (16 + 2 + 16) + ones, run.stdout
     for method, (matrix, spills, shared, planned, wide) in rows.items():
         assert spills == 0 and shared == planned, run.stdout
-    # a page's key and value codes in 16-byte cp.async copies (with two warps, half of them each)
-    assert rows["kitty-pro-1"][4] >= (4096 + 1024 + 4096) // 16 // 32 and rows["kivi-k2v2-1"][4] >= 8192 // 16 // 32
-    assert rows["kitty-1"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
-    assert rows["kitty-pro-2"][4] >= (4096 + 1024 + 4096) // 16 // 64, run.stdout
+    # a page's key and value codes in 16-byte cp.async copies
+    assert rows["kitty-pro"][4] >= (4096 + 1024 + 4096) // 16 // 32 and rows["kivi-k2v2"][4] >= 8192 // 16 // 32
+    assert rows["kitty"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
 
 
 def test_default_splits_are_the_h200_sweeps_best():
@@ -406,7 +398,7 @@ def test_workspace_is_reused_across_steps_and_changes_nothing():
     torch.testing.assert_close(out2, decode_attention(q2, kv, 0.125, num_splits=3), atol=0, rtol=0)
     torch.testing.assert_close(expected1, decode_attention(q1, kv, 0.125, num_splits=3), atol=0, rtol=0)
     decode_attention(q1, kv, 0.125, num_splits=4, workspace=workspace)         # another split count: new buffers
-    assert workspace.buffers[0].shape[2] == 4 + remaining_blocks(kv)           # + one program per other block
+    assert workspace.buffers[0].shape[2] == 4 + rest_parts(kv)                 # + the remaining blocks' programs
 
 
 def test_reference_attention_is_plain_attention_for_full_precision():
@@ -443,7 +435,7 @@ def test_gather_kv_puts_every_token_in_order():
 def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     """`python -m kernels.sass_profile` compiles the real kernel for sm_90 and reads its SASS: the counts are
     those of a working kernel (matrix instructions, registers within the 255 limit) and of its loop over paged
-    blocks; interpreted mode is refused."""
+    blocks, which holds its products; interpreted mode is refused."""
     cmd = [sys.executable, "-m", "kernels.sass_profile", "--method", "kivi-k2v2", "--dtype", "fp16"]
     run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"},
                          timeout=300)
@@ -452,7 +444,7 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     assert 0 < counts["registers"] <= 255 and counts["matrix"] > 0 and counts["instructions"] > 100, run.stdout
     # the loop over paged blocks: part of the kernel, with its matrix products and pipelined page loads
     assert 100 < counts["loop instructions"] < counts["instructions"], run.stdout
-    assert 0 < counts["loop matrix"] < counts["matrix"] and counts["loop cp.async"] > 0, run.stdout
+    assert 0 < counts["loop matrix"] <= counts["matrix"] and counts["loop cp.async"] > 0, run.stdout
     refused = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert refused.returncode == 2 and "TRITON_INTERPRET=0" in refused.stderr
 
