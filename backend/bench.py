@@ -272,8 +272,7 @@ def bench_tune(args) -> dict:
             # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=REST_WARPS,
-                        rest_stream=device == "cuda")
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=REST_WARPS)
 
             def gluon(maxnreg, quarters=4):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
@@ -289,10 +288,8 @@ def bench_tune(args) -> dict:
                       "kernel": [gluon(GLUON_MAXNREG)],
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
-                      # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program,
-                      # and on the paged slots' stream or a second one
-                      "rest": [{**setting, "rest_warps": w, "rest_stream": concurrent}
-                               for setting in (base, gluon(GLUON_MAXNREG)) for concurrent in (False, True)
+                      # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
+                      "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
                                for w in (1, 2, 4)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
@@ -300,7 +297,7 @@ def bench_tune(args) -> dict:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
-                                               rest_warps=setting["rest_warps"], rest_stream=setting["rest_stream"])
+                                               rest_warps=setting["rest_warps"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,

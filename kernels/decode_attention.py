@@ -26,7 +26,6 @@ kernel runs at 128 registers with 16 programs per multiprocessor and is 1.3-1.6x
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -533,14 +532,13 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
 
 KERNELS = ("auto", "triton", "gluon")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
-# (`python -m kernels.sass_profile --kernel gluon`). Its first version, with no software pipelining, won where each
-# program walks many pages (throughput-bound launches: batch 64, batch 8 at 32K) and lost where programs take one or
-# two pages (latency-bound: batch 1, batch 8 at 4K), measured on the H200 in session 9; "auto" follows that line.
-# Session 11's version keeps it: 1.4-1.7x faster than Triton at batch 64 and at batch 8 / 32K, 1.1-1.4x slower at
-# batch 1 and at batch 8 / 4K (BENCHMARKS.md section 1).
+# (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
+# (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
+# needed a second, slow one. With the remaining blocks in decode_rest.py for both, the Gluon kernel is 1.2-1.6x faster
+# than the Triton one at every shape measured (BENCHMARKS.md section 1, session 12): "auto" takes it wherever it
+# applies.
 GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor, as at 129-167 (decode_gluon.resident_programs);
                               # 128 gives 16, with spills (measured slower), 176-255 fewer
-MIN_GLUON_PAGES = 4           # pages per program from which "auto" takes the Gluon kernel
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
@@ -553,37 +551,32 @@ def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_war
                           resident)
 
 
-def choose_kernel(q: torch.Tensor, kv: PagedKV, num_splits: int | None, num_warps: int = 1) -> str:
+def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
     """decode_attention(kernel="auto")'s choice: "gluon" for a launch it supports (decode_gluon.supports: a GPU,
-    16-bit queries, tileable pages) whose programs take MIN_GLUON_PAGES pages or more each, else "triton"."""
+    16-bit queries, tileable pages) with one-warp programs, else "triton"."""
     from . import decode_gluon
-    if num_warps != 1 or not decode_gluon.supports(q, kv):
-        return "triton"
-    splits = num_splits or split_count(q, kv, "gluon", GLUON_MAXNREG)
-    return "gluon" if max(1, kv.k_table.shape[1]) >= MIN_GLUON_PAGES * splits else "triton"
+    return "gluon" if num_warps == 1 and decode_gluon.supports(q, kv) else "triton"
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int = REST_WARPS,
-                     rest_stream: bool | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int = REST_WARPS) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches: the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers) and the merge of
     their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default: split_count);
     num_warps / num_stages: the Triton kernel's warps per program and software-pipelining depth (the Gluon kernel's
     programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned on the H200:
-    MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). kernel: that kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot
-    take fall back to Triton) or "auto" (choose_kernel). rest_warps: warps a program of the remaining blocks;
-    rest_stream: run those on a second stream, concurrent with the paged slots (default: on a GPU; the two write
-    different partials, and the merge waits for both). With a workspace, its buffers are reused (see
-    DecodeWorkspace); without, they are allocated per call."""
+    MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). kernel: that kernel, "triton",
+    "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto"
+    (choose_kernel). rest_warps: warps a program of the remaining blocks. With a workspace, its buffers are reused
+    (see DecodeWorkspace); without, they are allocated per call."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
     if kernel == "auto":
-        kernel = choose_kernel(q, kv, num_splits, num_warps)
+        kernel = choose_kernel(q, kv, num_warps)
     elif kernel == "gluon":
         from . import decode_gluon
         kernel = "gluon" if decode_gluon.supports(q, kv) else "triton"
@@ -593,14 +586,11 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         num_splits = split_count(q, kv, kernel, maxnreg, num_warps)
     parts = (workspace or DecodeWorkspace()).get(q, num_splits + rest_parts(kv))
     qk_scale = sm_scale * math.log2(math.e)
-    rest_stream = q.is_cuda if rest_stream is None else rest_stream and q.is_cuda
-    main = torch.cuda.current_stream(q.device) if rest_stream else None
-    side = _side_stream(q.device) if rest_stream else None
-    if rest_stream:
-        side.wait_stream(main)                        # the queries and the cache are written on the main stream
-    with torch.cuda.stream(side) if rest_stream else contextlib.nullcontext():
-        dot = dot_dtype(q.dtype)
-        launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps)
+    # the remaining blocks first: at batch 1 they are as long as the paged slots' programs of a 4K-token sequence.
+    # (On a second stream, concurrent with the paged slots' kernel, they were 1-3 us faster at three of six shapes
+    # and as much slower at the other three: BENCHMARKS.md section 1, session 12.)
+    dot = dot_dtype(q.dtype)
+    launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps)
     if kernel == "gluon":
         from . import decode_gluon
         decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg)
@@ -608,20 +598,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
         _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps, num_stages=num_stages,
                                                    **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-    if rest_stream:
-        main.wait_stream(side)
     return merge_splits(*parts)
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """A second stream of `device` for the remaining blocks' launch, made once (a stream made inside a CUDA graph's
-    capture would not be part of it)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,

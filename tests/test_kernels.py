@@ -275,31 +275,18 @@ def test_gluon_decode_attention_matches_reference(case):
             f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
 
 
-@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="streams and graphs need a GPU")
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
 @pytest.mark.parametrize("kernel", ["triton", "gluon"])
-@pytest.mark.parametrize("rest_warps,rest_stream", [(1, False), (4, False), (1, True), (4, True)])
-def test_remaining_blocks_launch_options(kernel, rest_warps, rest_stream):
-    """The remaining blocks' launch (decode_rest.py) with other warps a program, on the paged slots' stream or a
-    second one: the output of the defaults up to the order of float sums, and exactly that output again when the
-    call is captured in a CUDA graph and replayed (the second stream joins the capture)."""
+@pytest.mark.parametrize("rest_warps", [1, 4])
+def test_remaining_blocks_warps(kernel, rest_warps):
+    """The remaining blocks' launch (decode_rest.py) with other warps a program than the default: the same output
+    up to the order of float sums."""
     kv, _, _ = random_paged_kv([4100, 300, 1], heads=2, head_dim=128, sink=32, page_size=128, window=128, k_bits=2,
                                v_bits=2, n_boost=32, dtype=torch.bfloat16, seed=5, device=DEVICE)
     q = torch.randn(3, 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
     expected = decode_attention(q, kv, 128 ** -0.5, kernel=kernel)
     assert rel_err(expected, decode_attention_ref(q, kv, 128 ** -0.5)) < 1.5e-2
-    run = lambda: decode_attention(q, kv, 128 ** -0.5, kernel=kernel, workspace=workspace,  # noqa: E731
-                                   rest_warps=rest_warps, rest_stream=rest_stream)
-    workspace = DecodeWorkspace()
-    eager = run().clone()
-    assert rel_err(eager, expected) < 1e-3
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    out.fill_(float("nan"))
-    for buffer in workspace.buffers[:3]:
-        buffer.fill_(float("nan"))
-    graph.replay()
-    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    assert rel_err(decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps), expected) < 1e-3
 
 
 def test_gluon_kernel_compiles_for_hopper_with_register_operands():
