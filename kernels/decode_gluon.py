@@ -62,13 +62,15 @@ Q_SCALE = gl.constexpr(1.0 / 16)
 
 def supports(q: torch.Tensor, kv: PagedKV) -> bool:
     """Whether the Gluon kernel handles this launch: a CUDA device of compute capability 8.0 or later (mma.sync),
-    16-bit queries, a KV group of at most 8 heads, head_dim and pages of 64 or 128, and boosted channels that the
-    32-channel chunks tile (0, 16 or a multiple of 32)."""
+    16-bit queries, a KV group of at most 8 heads, head_dim and pages of 64 or 128, boosted channels that the
+    32-channel chunks tile (0, 16 or a multiple of 32), and slots that can be paged: 2- or 4-bit values, and page
+    tables with a column each (a cache's tables have none until its first page)."""
     bsz, hq, d = q.shape
     h, g = kv.k_fp.shape[1], kv.page_size
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8
             and q.dtype in (torch.bfloat16, torch.float16) and hq // h <= HEADS_PER_TILE
-            and d in (64, 128) and g in (64, 128) and (kv.n_boost in (0, 16) or kv.n_boost % 32 == 0))
+            and d in (64, 128) and g in (64, 128) and (kv.n_boost in (0, 16) or kv.n_boost % 32 == 0)
+            and kv.v_bits in (2, 4) and kv.k_table.shape[1] > 0 and kv.v_table.shape[1] > 0)
 
 
 @gluon.constexpr_function
@@ -408,9 +410,10 @@ def _gluon_paged_kernel(
         async_copy.commit_group()
         _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
         async_copy.commit_group()
-    # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use
-    kpage_next = gl.load(ktab + gl.minimum(start + 1, last)).to(gl.int64) * H + h
-    vpage_next = gl.load(vtab + gl.minimum(start + 1, last)).to(gl.int64) * H + h
+    # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use.
+    # A program without slots reads no table entry (a sequence's row may have none)
+    kpage_next = gl.load(ktab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
+    vpage_next = gl.load(vtab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
 
     # the group's queries times Q_SCALE in fp16, chunk by chunk into shared memory; heads past the group are zero
     cols: gl.constexpr = _cols_layout(KC)

@@ -3,6 +3,7 @@ packing bit for bit, dequantization and attention within float tolerance; head_d
 odd lengths, batches of different lengths."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -19,7 +20,7 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref,
+from kernels.decode_attention import (KERNELS, MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref,
                                       default_splits, field_weights, gather_kv, merge_blocks, merge_splits,
                                       split_count, unpack_asm)
 from kernels.decode_rest import rest_parts
@@ -287,6 +288,19 @@ def test_remaining_blocks_warps(kernel, rest_warps):
     expected = decode_attention(q, kv, 128 ** -0.5, kernel=kernel)
     assert rel_err(expected, decode_attention_ref(q, kv, 128 ** -0.5)) < 1.5e-2
     assert rel_err(decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps), expected) < 1e-3
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_decode_attention_before_the_first_page(kernel):
+    """A cache's page tables have no column until its first page (backend/pages.py): every kernel choice reads
+    none of them (on a GPU, the Gluon kernel declines such a launch, and its programs without slots read no table
+    entry) and matches the reference over the sink and buffers."""
+    kv, _, _ = random_paged_kv([20, 100, 31], heads=2, head_dim=128, sink=32, page_size=128, window=128,
+                               n_boost=32, dtype=torch.bfloat16, seed=9, device=DEVICE)
+    kv = dataclasses.replace(kv, k_table=kv.k_table[:, :0].contiguous(), v_table=kv.v_table[:, :0].contiguous())
+    q = torch.randn(3, 8, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
+    out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel)
+    assert rel_err(out, decode_attention_ref(q, kv, 128 ** -0.5)) < 1.5e-2
 
 
 def test_gluon_kernel_compiles_for_hopper_with_register_operands():
