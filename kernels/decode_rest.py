@@ -38,10 +38,12 @@ def rest_parts(kv: PagedKV) -> int:
 
 def rest_blocks(page_size: int, sink: int, capacity: int) -> int:
     """Programs of a sequence whose full-precision buffers hold at most `capacity` tokens (sink included): the
-    sink's, and those of the slots after the paged ones (the buffers' tokens after the sink, plus a key page whose
-    values are in the window), each slot's token quarters in blocks of rest_block_tokens."""
+    sink's, and those of the slots after the paged ones, each slot's token quarters in blocks of rest_block_tokens.
+    Those slots start at a slot boundary and span the longer side's buffer: with n_kpages >= n_vpages, the key pages
+    past the paged slots and the key buffer hold as many tokens as the value buffer (and the other way round), so
+    at most capacity - sink tokens."""
     t = rest_block_tokens(page_size)
-    slots = triton.cdiv(capacity - sink, page_size) + 1
+    slots = triton.cdiv(capacity - sink, page_size)
     return triton.cdiv(sink, t) + 4 * triton.cdiv(page_size // 4, t) * slots
 
 
