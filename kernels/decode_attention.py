@@ -1,10 +1,11 @@
 """Decode attention of one new query per sequence over [sink | key/value pages | key Q-buffer | value tail].
 
-Flash-decoding: each (sequence, KV head) gets NSPLIT programs that share its blocks where both a key page and a
-value page exist (a loop without branches, which Triton software-pipelines), plus one program per remaining
-block (the sink, a key page whose values are still in the window, the buffers). Each runs an online softmax for
-all query heads of the KV group and writes a partial (max, sum, output); a small second kernel merges them with
-log-sum-exp weights. No score tensor and no full-precision copy of the cache reach memory.
+Flash-decoding: each (sequence, KV head) gets NSPLIT programs that share its slots where both a key page and a
+value page exist (a loop without branches, which Triton software-pipelines; or decode_gluon.py's kernel), and
+decode_rest.py's programs take the other blocks (the sink, a key page whose values are still in the window, the
+buffers), 32 tokens each. Each runs an online softmax for all query heads of the KV group and writes a partial
+(max, sum, output); a small third kernel merges them with log-sum-exp weights. No score tensor and no
+full-precision copy of the cache reach memory.
 
 Dequantization is folded into the two products (exact algebra):
     q . k_t = sum_d (q_d * scale_d) * code_dt + sum_d q_d * zero_d           (keys: per-channel scale / zero)
