@@ -54,7 +54,7 @@ import triton.testing
 from kernels.decode_attention import (GLUON_MAXNREG, KERNELS, MAXNREG, DecodeWorkspace,
                                       decode_attention, default_splits, merge_splits, multiprocessors,
                                       resident_programs, split_count)
-from kernels.decode_rest import REST_WARPS, rest_blocks
+from kernels.decode_rest import REST_TOKENS, REST_WARPS, rest_blocks
 
 from . import memory
 from .cache import FLUSH_MODES, KittyLayer
@@ -272,7 +272,8 @@ def bench_tune(args) -> dict:
             # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=REST_WARPS)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=REST_WARPS,
+                        rest_tokens=REST_TOKENS)
 
             def gluon(maxnreg, quarters=4):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
@@ -288,16 +289,19 @@ def bench_tune(args) -> dict:
                       "kernel": [gluon(GLUON_MAXNREG)],
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
-                      # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
-                      "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
-                               for w in (1, 2, 4)]}
+                      # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps and tokens
+                      # a program (longer blocks: fewer partials to write and merge, more latency a program)
+                      "rest": [{**setting, "rest_warps": w, "rest_tokens": n}
+                               for setting in (base, gluon(GLUON_MAXNREG)) for w, n in
+                               ((1, 32), (2, 32), (4, 32), (2, 64), (4, 64), (4, 128))]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
-                                               rest_warps=setting["rest_warps"])
+                                               rest_warps=setting["rest_warps"],
+                                               rest_tokens=setting["rest_tokens"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_rest import REST_WARPS, launch_rest, rest_parts
+from .decode_rest import REST_TOKENS, REST_WARPS, launch_rest, rest_parts
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV
 
@@ -561,7 +561,8 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int = REST_WARPS) -> torch.Tensor:
+                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int = REST_WARPS,
+                     rest_tokens: int = REST_TOKENS) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches: the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers) and the merge of
     their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default: split_count);
@@ -569,8 +570,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned on the H200:
     MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). kernel: that kernel, "triton",
     "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto"
-    (choose_kernel). rest_warps: warps a program of the remaining blocks. With a workspace, its buffers are reused
-    (see DecodeWorkspace); without, they are allocated per call."""
+    (choose_kernel). rest_warps / rest_tokens: warps and tokens (a power of two) a program of the remaining blocks.
+    With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
@@ -585,13 +586,13 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         maxnreg = GLUON_MAXNREG if kernel == "gluon" else MAXNREG
     if num_splits is None:
         num_splits = split_count(q, kv, kernel, maxnreg, num_warps)
-    parts = (workspace or DecodeWorkspace()).get(q, num_splits + rest_parts(kv))
+    parts = (workspace or DecodeWorkspace()).get(q, num_splits + rest_parts(kv, rest_tokens))
     qk_scale = sm_scale * math.log2(math.e)
     # the remaining blocks first: at batch 1 they are as long as the paged slots' programs of a 4K-token sequence.
     # (On a second stream, concurrent with the paged slots' kernel, they were 1-3 us faster at three of six shapes
     # and as much slower at the other three: BENCHMARKS.md section 1, session 12.)
     dot = dot_dtype(q.dtype)
-    launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps)
+    launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, rest_tokens)
     if kernel == "gluon":
         from . import decode_gluon
         decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg)

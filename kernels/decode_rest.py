@@ -4,8 +4,9 @@ Q-buffers, everything of a 16-bit side).
 
 The paged slots' kernels (decode_attention.py's Triton kernel, decode_gluon.py) walk many pages a program; these
 blocks are few and short, so what matters is latency: one program per REST_TOKENS tokens, which loads its keys,
-values and queries at once (as dense (tokens, channels) tiles: a key page's token quarter is its low plane's rows at
-one bit position, a value page's tokens are its planes' columns), then the products and a softmax over its tokens.
+values and queries at once (as dense (tokens, channels) tiles: a key page's token t is row t % (G/4) of its planes
+at bit 2 * (t // (G/4)), a value page's tokens are its planes' columns), then the products and a softmax over its
+tokens.
 It writes a partial (output, max, sum) like a split program's, which decode_attention's merge combines with them.
 
 Measured on the H200 (BENCHMARKS.md section 1, session 12): the split kernel's own branch for these blocks, one
@@ -20,31 +21,31 @@ import triton.language as tl
 
 from .layout import PagedKV
 
-REST_TOKENS = 32            # tokens of a program (fewer when a page's token quarter is shorter)
+REST_TOKENS = 32            # tokens of a program (decode_attention's default rest_tokens)
 REST_WARPS = 2              # warps of a program (decode_attention's default rest_warps)
 
 
-def rest_block_tokens(page_size: int) -> int:
-    """Tokens of one program: a token quarter of a page, or REST_TOKENS of it; at least 16 (the matrix products'
-    smallest tile)."""
-    return max(16, min(REST_TOKENS, triton.next_power_of_2(page_size // 4)))
+def rest_block_tokens(page_size: int, tokens: int = REST_TOKENS) -> int:
+    """Tokens of one program: `tokens` (a power of two), or a whole page where pages are shorter; at least 16 (the
+    matrix products' smallest tile)."""
+    return max(16, min(tokens, triton.next_power_of_2(page_size)))
 
 
-def rest_parts(kv: PagedKV) -> int:
+def rest_parts(kv: PagedKV, tokens: int = REST_TOKENS) -> int:
     """An upper bound (from sizes the host knows) on a sequence's programs here (rest_blocks of its buffers'
     capacity)."""
-    return rest_blocks(kv.page_size, kv.sink, max(kv.k_fp.shape[2], kv.v_fp.shape[2]))
+    return rest_blocks(kv.page_size, kv.sink, max(kv.k_fp.shape[2], kv.v_fp.shape[2]), tokens)
 
 
-def rest_blocks(page_size: int, sink: int, capacity: int) -> int:
-    """Programs of a sequence whose full-precision buffers hold at most `capacity` tokens (sink included): the
-    sink's, and those of the slots after the paged ones, each slot's token quarters in blocks of rest_block_tokens.
+def rest_blocks(page_size: int, sink: int, capacity: int, tokens: int = REST_TOKENS) -> int:
+    """Programs of a sequence whose full-precision buffers hold at most `capacity` tokens (sink included), with
+    rest_block_tokens(page_size, tokens) tokens each: the sink's, and those of the slots after the paged ones.
     Those slots start at a slot boundary and span the longer side's buffer: with n_kpages >= n_vpages, the key pages
     past the paged slots and the key buffer hold as many tokens as the value buffer (and the other way round), so
     at most capacity - sink tokens."""
-    t = rest_block_tokens(page_size)
+    t = rest_block_tokens(page_size, tokens)
     slots = triton.cdiv(capacity - sink, page_size)
-    return triton.cdiv(sink, t) + 4 * triton.cdiv(page_size // 4, t) * slots
+    return triton.cdiv(sink, t) + triton.cdiv(page_size, t) * slots
 
 
 @triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NPART", "FIRST_PART"])
@@ -60,14 +61,14 @@ def _rest_kernel(
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr):
     """Program (b, h, j): block j of sequence b's remaining tokens for KV head h, written as part FIRST_PART + j.
     Blocks 0 .. cdiv(sink, T) - 1 are the sink's; then each slot after the paged ones (n_paged = min(n_kpages,
-    n_vpages)) gives 4 token quarters of cdiv(G/4, T) blocks each. A block past the sequence's end writes an empty
+    n_vpages)) gives cdiv(G, T) blocks of T consecutive tokens. A block past the sequence's end writes an empty
     partial (max -inf, which the merge weighs 0)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
-    PIECES: tl.constexpr = (G4 + T - 1) // T
+    PIECES: tl.constexpr = (G + T - 1) // T             # blocks of a slot
     length = tl.load(seqlen_ptr + b)
     nkp = tl.load(nkp_ptr + b)
     nvp = tl.load(nvp_ptr + b)
@@ -76,13 +77,13 @@ def _rest_kernel(
     n_sink = tl.cdiv(sink_len, T)
     in_sink = j < n_sink
     u = tl.maximum(j - n_sink, 0)                       # the block's place among the slots' blocks
-    slot = n_paged + u // (4 * PIECES)
-    quarter = (u // PIECES) % 4
-    row = (u % PIECES) * T                               # first token of the block within its quarter
+    slot = n_paged + u // PIECES
     t = tl.arange(0, T)
-    # the block's tokens that exist: in its quarter (pages whose quarter is not a multiple of T) and the sequence
-    first = S + slot * G + quarter * G4 + row                                   # position of token t = 0
-    valid = tl.where(in_sink, j * T + t < sink_len, (row + t < G4) & (first + t < length))
+    tok = (u % PIECES) * T + t                          # the block's tokens within their slot (in a page: token
+    quarter = tok // G4                                 # `tok` is row tok % G4 of the key planes at bits 2 * quarter,
+    row = tok % G4                                      # and column tok of the value planes)
+    # the block's tokens that exist: in the slot (pages that T does not divide) and in the sequence
+    valid = tl.where(in_sink, j * T + t < sink_len, (tok < G) & (S + slot * G + tok < length))
     kv_head = (b * H + h).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -93,47 +94,46 @@ def _rest_kernel(
     q_rows = q_ptr + rows[:, None] * D
     q = tl.load(q_rows + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * qk_scale
 
-    # keys (T, D) in float32: a quarter of key page `slot` (its low bits; the boosted channels' high bits add
+    # keys (T, D) in float32: T tokens of key page `slot` (its low bits; the boosted channels' high bits add
     # 4 * (q_c * scale_c) * high_c to the scores, `boost`), or full-precision rows
     boost = tl.zeros((BLOCK_M, T), tl.float32)
     if (j >= n_sink) & (slot < nkp):
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
-        tmask = (row + t < G4)[:, None] & dmask[None, :]
-        low = tl.load(klow_ptr + kpage * (G4 * D) + (row + t)[:, None] * D + d[None, :], mask=tmask, other=0)
+        shift = 2 * quarter[:, None]
+        low = tl.load(klow_ptr + kpage * (G4 * D) + row[:, None] * D + d[None, :],
+                      mask=(tok < G)[:, None] & dmask[None, :], other=0)
         scale = tl.load(kscale_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
-        keys = ((low.to(tl.int32) >> (2 * quarter)) & 3).to(tl.float32) * scale[None, :] + zero[None, :]
+        keys = ((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :]
         if NB > 0:
             r = tl.arange(0, BLOCK_NB)
             rmask = r < NB
             ch = tl.load(kch_ptr + kpage * NB + r, mask=rmask, other=0).to(tl.int32)
             ch_scale = tl.load(kscale_ptr + kpage * D + ch, mask=rmask, other=0.0).to(tl.float32)
             q_ch = tl.load(q_rows + ch[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-            high = tl.load(khigh_ptr + kpage * (G4 * NB) + (row + t)[:, None] * NB + r[None, :],
-                           mask=(row + t < G4)[:, None] & rmask[None, :], other=0)
-            high = ((high.to(tl.int32) >> (2 * quarter)) & 3).to(tl.float32)             # (tokens, boosted)
+            high = tl.load(khigh_ptr + kpage * (G4 * NB) + row[:, None] * NB + r[None, :],
+                           mask=(tok < G)[:, None] & rmask[None, :], other=0)
+            high = ((high.to(tl.int32) >> shift) & 3).to(tl.float32)                     # (tokens, boosted)
             boost = tl.dot((q_ch * qk_scale * (4.0 * ch_scale)[None, :]).to(DOT), tl.trans(high.to(DOT)),
                            input_precision=PREC)
     else:
-        krow = tl.where(in_sink, j * T, S + (slot - nkp) * G + quarter * G4 + row)
+        krow = tl.where(in_sink, j * T, S + (slot - nkp) * G + (u % PIECES) * T)
         keys = tl.load(kfp_ptr + (kv_head * CK + krow + t[:, None]) * D + d[None, :],
                        mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     # values (T, D): the same tokens of value page `slot`, or full-precision rows
     if (j >= n_sink) & (slot < nvp):
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
-        tok = quarter * G4 + row + t                                            # within the page
-        tmask = (row + t < G4)[:, None] & dmask[None, :]
+        tmask = (tok < G)[:, None] & dmask[None, :]
         offs = vpage * (D4 * G) + (d % D4)[None, :] * G + tok[:, None]          # byte of channel d: d % D4
         shift = 2 * (d // D4)[None, :]                                          # ... at bits 2 * (d // D4)
         code = (tl.load(vlow_ptr + offs, mask=tmask, other=0).to(tl.int32) >> shift) & 3
         if V_BITS == 4:
             code = code | (((tl.load(vhigh_ptr + offs, mask=tmask, other=0).to(tl.int32) >> shift) & 3) << 2)
-        tvalid = row + t < G4
-        scale = tl.load(vscale_ptr + vpage * G + tok, mask=tvalid, other=0.0).to(tl.float32)
-        zero = tl.load(vzero_ptr + vpage * G + tok, mask=tvalid, other=0.0).to(tl.float32)
+        scale = tl.load(vscale_ptr + vpage * G + tok, mask=tok < G, other=0.0).to(tl.float32)
+        zero = tl.load(vzero_ptr + vpage * G + tok, mask=tok < G, other=0.0).to(tl.float32)
         values = code.to(tl.float32) * scale[:, None] + zero[:, None]
     else:
-        vrow = tl.where(in_sink, j * T, S + (slot - nvp) * G + quarter * G4 + row)
+        vrow = tl.where(in_sink, j * T, S + (slot - nvp) * G + (u % PIECES) * T)
         values = tl.load(vfp_ptr + (kv_head * CV + vrow + t[:, None]) * D + d[None, :],
                          mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
 
@@ -149,12 +149,12 @@ def _rest_kernel(
     tl.store(po_ptr + idx[:, None] * D + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
 
 
-def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,
-                          prec: str) -> tuple[tuple, dict]:
+def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
+                          tokens: int = REST_TOKENS) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _rest_kernel: parts (output, max, sum) first_part ..
-    first_part + rest_parts(kv) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e); dot / prec: the
-    products' operand type and input precision, decode_attention's). Also used to compile the kernel for a
-    profile (kernels.sass_profile)."""
+    first_part + rest_parts(kv, tokens) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e); dot / prec:
+    the products' operand type and input precision, decode_attention's; tokens: a program's, rest_block_tokens).
+    Also used to compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -163,13 +163,13 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
             part_l, qk_scale, kv.k_fp.shape[2], kv.v_fp.shape[2], kv.k_table.shape[1], kv.v_table.shape[1],
             part_m.shape[2], first_part)
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
-                     PREC=prec, T=rest_block_tokens(kv.page_size), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
+                     PREC=prec, T=rest_block_tokens(kv.page_size, tokens), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
                      BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)))
     return args, constants
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
-                num_warps: int) -> None:
+                num_warps: int = REST_WARPS, tokens: int = REST_TOKENS) -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program."""
-    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec)
-    _rest_kernel[(q.shape[0], kv.k_fp.shape[1], rest_parts(kv))](*args, **constants, num_warps=num_warps)
+    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, tokens)
+    _rest_kernel[(q.shape[0], kv.k_fp.shape[1], rest_parts(kv, tokens))](*args, **constants, num_warps=num_warps)

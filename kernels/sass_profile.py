@@ -68,7 +68,7 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                        arch: int = 90, num_warps: int = 2):
+                        arch: int = 90, num_warps: int = 2, tokens: int = 32):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel."""
     from triton.compiler import ASTSource
 
@@ -76,10 +76,11 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
     from kernels.decode_rest import _rest_kernel, rest_kernel_arguments, rest_parts
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
-    n = rest_parts(kv)
+    n = rest_parts(kv, tokens)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
-    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)))
+    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
+                                            tokens)
     return _compile(ASTSource, _rest_kernel, args, constants, arch, {"num_warps": num_warps})
 
 
@@ -169,6 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel", choices=["triton", "gluon", "rest"], default="triton",
                         help="decode_attention's kernel over the paged blocks (gluon: kernels/decode_gluon.py), or "
                              "the one over the remaining blocks (rest: kernels/decode_rest.py, no loop)")
+    parser.add_argument("--rest-tokens", type=int, default=32, help="tokens a program of the rest kernel")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
     args = parser.parse_args(argv)
@@ -181,7 +183,8 @@ def main(argv=None) -> int:
         if args.kernel == "gluon":
             compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255)
         elif args.kernel == "rest":
-            compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps)
+            compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
+                                           tokens=args.rest_tokens)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg)

@@ -233,6 +233,22 @@ def test_decode_attention_matches_reference(case):
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
 
 
+@pytest.mark.parametrize("tokens", [16, 64, 128])
+@pytest.mark.parametrize("case", [ATTENTION_CASES[i] for i in (0, 2, 4, 5, 8)],
+                         ids=lambda c: f"L{c[0]}-d{c[2]}-g{c[7]}-k{c[4]}v{c[5]}")
+def test_remaining_blocks_in_programs_of_any_length(case, tokens):
+    """decode_rest's programs of 16 to 128 tokens (besides the default 32): blocks that end inside a token quarter
+    or span several, pages shorter than a block (36 tokens), a key page whose values are in the window, 16-bit
+    values; the same attention as the reference."""
+    lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
+    kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
+                               v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
+    q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    out = decode_attention(q, kv, d ** -0.5, num_splits=2, rest_tokens=tokens)
+    tol = 2e-3 if dtype == torch.float16 else 1.5e-2
+    assert rel_err(out, decode_attention_ref(q, kv, d ** -0.5)) < tol
+
+
 GLUON_CASES = [
     # lengths, KV heads, head_dim, GQA group, k_bits, v_bits, sink, page, window, boosted, dtype: shapes the Gluon
     # kernel takes (pages of 64 or 128 tokens, head_dim 64 or 128, boosted channels a multiple of 16)
