@@ -457,14 +457,15 @@ def page_boundary_steps(method: str, prompt: int, steps: int, flush_spread: int 
 
 
 def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
-                 flush="auto"):
+                 flush="auto", cache_tokens=None):
     """One timed model.generate; cuda_graphs: replay decode steps as CUDA graphs (backend.graphs) where the cache
-    allows it (Kitty caches with both sides quantized, on a GPU); flush: how Kitty caches make pages (make_cache)."""
+    allows it (Kitty caches with both sides quantized, on a GPU); flush: how Kitty caches make pages (make_cache);
+    cache_tokens: the tokens the cache is made for (default prompt + new_tokens)."""
     from transformers import StoppingCriteriaList
     device = model.device
     ids = torch.randint(100, model.config.vocab_size, (batch, prompt), device=device,
                         generator=torch.Generator(device=device).manual_seed(1))
-    cache = make_peer_cache(method, model, batch, prompt + new_tokens, flush_spread, flush)
+    cache = make_peer_cache(method, model, batch, cache_tokens or prompt + new_tokens, flush_spread, flush)
     clock = StepClock()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -538,8 +539,11 @@ def bench_generate(args) -> dict:
                         and not method.startswith("hf-") else 4
                     run_generate(model, method, 1, prompt, warm_tokens, args.flush_spread, args.prefill_chunk,
                                  cuda_graphs=graphed, flush=args.flush)
-                row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread, args.prefill_chunk,
-                                   graphed, args.flush)
+                if args.sample_contexts:
+                    row = sampled_generate(model, method, batch, prompt, new_tokens, args, graphed)
+                else:
+                    row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread,
+                                       args.prefill_chunk, graphed, args.flush)
                 # how true the plan was: the batch it predicted and how many smaller tries it took
                 row.update(planned_batch=planned, oom_retries=attempt)
                 break
@@ -556,6 +560,34 @@ def bench_generate(args) -> dict:
             torch.cuda.empty_cache()
     return {"kind": "generate", "budget_gb": args.budget_gb, "prefill_chunk": args.prefill_chunk,
             "model": "Qwen3-8B shape, random weights", "rows": rows, "env": environment()}
+
+
+def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed) -> dict:
+    """A generation too long to run whole (HF caches at 512 + 8,192 tokens need more than a 10-minute device
+    call), estimated from measured pieces: `--sample-contexts N` runs of `--sample-steps` decode steps each, at N
+    contexts from the prompt to the last token, the batch and the cache made for the whole generation (so memory
+    and a static cache's length are the real run's). The decode time is the integral of the median step time over
+    the contexts (piecewise linear between the samples); tokens/s counts the first run's prefill (the real prompt)
+    and that decode time (flat past the first and last samples' middles). Page-boundary steps are in no median: for Kitty caches they cost under 1 % of decode time
+    (BENCHMARKS.md section 2)."""
+    steps = args.sample_steps
+    contexts = np.linspace(prompt, prompt + new_tokens - steps, args.sample_contexts).round().astype(int)
+    samples = []
+    for context in contexts:
+        run = run_generate(model, method, batch, int(context), steps, args.flush_spread, args.prefill_chunk,
+                           graphed, args.flush, cache_tokens=prompt + new_tokens)
+        samples.append(dict(context=int(context), p50_ms=run["p50_ms"], ttft_ms=run["ttft_ms"],
+                            peak_gb=run["peak_gb"]))
+    medians = np.array([x["p50_ms"] for x in samples])
+    # a run's median step is the step in the middle of its contexts
+    decode_s = float(np.interp(np.arange(prompt, prompt + new_tokens - 1), contexts + (steps - 1) / 2,
+                               medians).sum()) / 1e3
+    ttft_s = samples[0]["ttft_ms"] / 1e3
+    return dict(method=method, batch=batch, prompt=prompt, prefill_chunk=args.prefill_chunk, new_tokens=new_tokens,
+                estimated=True, samples=samples, seconds=ttft_s + decode_s,
+                tokens_per_s=batch * new_tokens / (ttft_s + decode_s),
+                decode_tokens_per_s=batch * (new_tokens - 1) / decode_s, ttft_ms=ttft_s * 1e3,
+                p50_ms=float(np.median(medians)), peak_gb=max(x["peak_gb"] or 0 for x in samples) or None)
 
 
 def ragged_prompt(batch: int, prompt: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -784,6 +816,11 @@ def main(argv=None) -> int:
                              "one Triton kernel per kind, kernels/flush.py; 'auto': fused on a GPU)")
     parser.add_argument("--eager", action="store_true",
                         help="generate: no CUDA graphs for Kitty caches (by default their decode steps are replayed)")
+    parser.add_argument("--sample-contexts", type=int, default=0, metavar="N",
+                        help="generate: estimate each row from --sample-steps decode steps at N contexts between the "
+                             "prompt and the last token (sampled_generate; for generations longer than a device call) "
+                             "instead of running it whole")
+    parser.add_argument("--sample-steps", type=int, default=16, help="generate: decode steps a sampled context times")
     parser.add_argument("--prefill-chunk", type=int,
                         help="generate: feed the prompt through the cache this many tokens at a time, every method "
                              "(generate's prefill_chunk_size; default: the whole prompt in one pass)")

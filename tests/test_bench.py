@@ -131,6 +131,44 @@ def test_generate_warms_up_with_the_runs_page_settings(tmp_path, monkeypatch):
     assert calls == [(1, 3, 16, "fused"), (3, 3, 16, "fused")]
 
 
+def test_sampled_generation_integrates_the_measured_step_times(monkeypatch):
+    """`generate --sample-contexts N`: runs of a few steps at N contexts from the prompt to the last token, each with
+    the batch and a cache made for the whole generation; the decode time is the median step times integrated over
+    the contexts (exact for step times linear in the context, as a growing cache's are, but for the 8 steps past
+    the first and last runs' middles)."""
+    import argparse
+
+    from backend import bench
+    calls = []
+
+    def timed(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
+              flush="auto", cache_tokens=None):
+        calls.append((batch, prompt, new_tokens, cache_tokens))
+        return dict(p50_ms=2.0 + 0.01 * (prompt + 7.5), ttft_ms=500.0, peak_gb=None)     # steps at prompt .. + 15
+
+    monkeypatch.setattr(bench, "run_generate", timed)
+    args = argparse.Namespace(sample_contexts=5, sample_steps=16, flush_spread=1, prefill_chunk=None, flush="auto")
+    row = bench.sampled_generate(None, "hf-dynamic", 8, 512, 8192, args, graphed=False)
+    assert calls == [(8, c, 16, 512 + 8192) for c in (512, 2556, 4600, 6644, 8688)]
+    decode_s = sum(2.0 + 0.01 * c for c in range(512, 512 + 8191)) / 1e3
+    assert row["estimated"] and row["decode_tokens_per_s"] == pytest.approx(8 * 8191 / decode_s, rel=1e-5)
+    assert row["tokens_per_s"] == pytest.approx(8 * 8192 / (0.5 + decode_s), rel=1e-5)
+    assert [x["context"] for x in row["samples"]] == [512, 2556, 4600, 6644, 8688]
+
+
+def test_bench_generate_sampled_runs_every_method(tmp_path):
+    """The sampled mode end to end on tiny shapes: transformers' caches and a Kitty cache give estimated rows."""
+    out = tmp_path / "generate.json"
+    done = subprocess.run([sys.executable, "-m", "backend.bench", "generate", "--quick", "--new-tokens", "12",
+                           "--sample-contexts", "2", "--sample-steps", "3", "--methods", "hf-static", "kitty-pro",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    for row in rows.values():
+        assert row["estimated"] and [x["context"] for x in row["samples"]] == [40, 49]
+        assert row["decode_tokens_per_s"] > 0 and row["tokens_per_s"] > 0
+
+
 @pytest.mark.parametrize("method,flush_spread", [("kitty-pro", 1), ("kivi-k2v2", 2)])
 def test_generate_plans_with_what_the_cache_and_the_decode_workspace_allocate(method, flush_spread):
     """The batch plan's bytes per sequence are those a reserved Kitty cache allocates after a generation (its
