@@ -4,6 +4,7 @@
     python -m backend.bench generate  [--budget-gb 80] [--prompt 512] [--new-tokens 8192] [--flush-spread 8]
                                       [--flush fused] [--prefill-chunk 4096] [--out results.json]
     python -m backend.bench generate --quick --prefill-chunk 16       # chunked prefill, tiny shapes on a CPU
+    python -m backend.bench generate --new-tokens 8192 --sample-contexts 5   # estimated from 5 sampled contexts
     python -m backend.bench attention --quick --out results.json      # tiny shapes on a CPU, under a minute
     python -m backend.bench compare [--methods fp16 kivi-k2v2 kitty] [--new-tokens 64] [--repeat 2]
     python -m backend.bench turn [--prompt 8192] [--new-tokens 256] [--batch 16]   # a chat's next turn, ragged
@@ -21,7 +22,8 @@ page-boundary quantization steps cost. --prefill-chunk N feeds the prompt throug
 (generate's prefill_chunk_size, for every method): a long prompt's activations and full-precision keys then never
 exist for the whole prompt at once, so the prefill peak no longer limits the batch. On a GPU, Kitty caches replay
 their decode steps as CUDA graphs (backend.graphs; --eager turns that off), transformers' caches run eagerly as
-generate runs them; each row says which.
+generate runs them; each row says which. --sample-contexts N estimates each row instead of running it whole (a
+generation longer than a device call allows: sampled_generate), and the row says `estimated`.
 
 turn: a chat's next turn on a ragged batch: each sequence's cache holds a first turn of its own length (from the
 whole --prompt down to about half), then --new-tokens tokens go through the model in one timed forward, for each
