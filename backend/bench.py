@@ -285,7 +285,7 @@ def bench_tune(args) -> dict:
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
                       "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
-                      "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)] + [{**base, "warps": 4}],
+                      "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
                       # the Gluon kernel over the paged blocks at its register cap, at half and twice its split, and
                       # at other caps (resident programs against spills), each at the split its programs choose
                       "kernel": [gluon(GLUON_MAXNREG)],

@@ -130,8 +130,8 @@ def profile(compiled) -> dict:
            "stack bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
            "shared bytes": compiled.metadata.shared, "instructions": sum(opcodes.values())}
     row.update({name: sum(opcodes[op] for op in ops) for name, ops in CLASSES.items()})
-    # the kernel's first loop is the one over paged blocks (the remaining blocks' loop follows it): its body is
-    # what one page costs a warp
+    # the paged kernels' first loop is the one over paged slots: its body is what one page costs a warp (the rest
+    # kernel has no loop)
     loop = _opcodes((_loop_bodies(sass.splitlines()) or [[]])[0])
     row["loop instructions"] = sum(loop.values())
     row.update({f"loop {name}": sum(loop[op] for op in ops) for name, ops in CLASSES.items()})
