@@ -275,7 +275,7 @@ def bench_tune(args) -> dict:
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=REST_WARPS,
-                        rest_tokens=REST_TOKENS)
+                        rest_tokens=REST_TOKENS, rest_in_gluon=False)
 
             def gluon(maxnreg, quarters=4):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
@@ -292,10 +292,12 @@ def bench_tune(args) -> dict:
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
                       # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps and tokens
-                      # a program (longer blocks: fewer partials to write and merge, more latency a program)
+                      # a program (longer blocks: fewer partials to write and merge, more latency a program); or
+                      # the remaining blocks in the Gluon kernel's launch
                       "rest": [{**setting, "rest_warps": w, "rest_tokens": n}
                                for setting in (base, gluon(GLUON_MAXNREG)) for w, n in
-                               ((1, 32), (2, 32), (4, 32), (2, 64), (4, 64), (4, 128))]}
+                               ((1, 32), (2, 32), (4, 32), (2, 64), (4, 64), (4, 128))]
+                      + [{**gluon(GLUON_MAXNREG), "rest_in_gluon": True}]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
@@ -303,7 +305,8 @@ def bench_tune(args) -> dict:
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                                rest_warps=setting["rest_warps"],
-                                               rest_tokens=setting["rest_tokens"])
+                                               rest_tokens=setting["rest_tokens"],
+                                               rest_in_gluon=setting["rest_in_gluon"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,

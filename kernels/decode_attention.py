@@ -562,7 +562,7 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, kernel: str = "auto", rest_warps: int = REST_WARPS,
-                     rest_tokens: int = REST_TOKENS) -> torch.Tensor:
+                     rest_tokens: int = REST_TOKENS, rest_in_gluon: bool = False) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches: the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers) and the merge of
     their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default: split_count);
@@ -571,7 +571,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). kernel: that kernel, "triton",
     "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto"
     (choose_kernel). rest_warps / rest_tokens: warps and tokens (a power of two) a program of the remaining blocks.
-    With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
+    rest_in_gluon: with the Gluon kernel, its launch also runs the remaining blocks (decode_gluon._rest_program, 32
+    tokens a program; an experiment, not yet measured), so that two launches are left. With a workspace, its
+    buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
@@ -586,16 +588,22 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         maxnreg = GLUON_MAXNREG if kernel == "gluon" else MAXNREG
     if num_splits is None:
         num_splits = split_count(q, kv, kernel, maxnreg, num_warps)
-    parts = (workspace or DecodeWorkspace()).get(q, num_splits + rest_parts(kv, rest_tokens))
+    fused = rest_in_gluon and kernel == "gluon"
+    if fused:
+        from . import decode_gluon
+        rest_tokens = decode_gluon.REST_T.value
+    rest = rest_parts(kv, rest_tokens)
+    parts = (workspace or DecodeWorkspace()).get(q, num_splits + rest)
     qk_scale = sm_scale * math.log2(math.e)
     # the remaining blocks first: at batch 1 they are as long as the paged slots' programs of a 4K-token sequence.
     # (On a second stream, concurrent with the paged slots' kernel, they were 1-3 us faster at three of six shapes
     # and as much slower at the other three: BENCHMARKS.md section 1, session 12.)
-    dot = dot_dtype(q.dtype)
-    launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, rest_tokens)
+    if not fused:
+        dot = dot_dtype(q.dtype)
+        launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, rest_tokens)
     if kernel == "gluon":
         from . import decode_gluon
-        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg)
+        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, rest if fused else 0)
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
         _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps, num_stages=num_stages,

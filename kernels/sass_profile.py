@@ -85,7 +85,7 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90, maxnreg: int = 255):
+                         splits: int = 16, arch: int = 90, maxnreg: int = 255, rest: bool = False):
     """The Gluon kernel of decode_attention(kernel="gluon") for the same example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -94,7 +94,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, rest)
     return _compile(GluonASTSource, _gluon_paged_kernel, args, constants, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
@@ -171,6 +171,8 @@ def main(argv=None) -> int:
                         help="decode_attention's kernel over the paged blocks (gluon: kernels/decode_gluon.py), or "
                              "the one over the remaining blocks (rest: kernels/decode_rest.py, no loop)")
     parser.add_argument("--rest-tokens", type=int, default=32, help="tokens a program of the rest kernel")
+    parser.add_argument("--gluon-rest", action="store_true",
+                        help="the Gluon kernel with the remaining blocks' programs in its launch (rest_in_gluon)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
     args = parser.parse_args(argv)
@@ -181,7 +183,8 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         if args.kernel == "gluon":
-            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255)
+            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
+                                            rest=args.gluon_rest)
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                            tokens=args.rest_tokens)

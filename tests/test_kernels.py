@@ -262,15 +262,17 @@ GLUON_CASES = [
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
+@pytest.mark.parametrize("rest_in_gluon", [False, True])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
-def test_gluon_decode_attention_matches_reference(case):
+def test_gluon_decode_attention_matches_reference(case, rest_in_gluon):
     """The Gluon kernel with one split (programs of many slots: every buffer refilled many times), three, and the
     default split, at the compiler's registers and the default cap, against the reference and the Triton kernel;
     the partials and the output poisoned first, so that an unwritten element fails. Its arithmetic is not the Triton
     kernel's (fp16 operands for both query dtypes, products with ones for the zero terms and the sums of p): it
     must be about as close to the reference as the Triton kernel (within 25 %), or within a quarter of the
     tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton kernel's operands are bf16),
-    0.8-1.08x the Triton kernel's error with fp16 ones."""
+    0.8-1.08x the Triton kernel's error with fp16 ones. rest_in_gluon: the remaining blocks in the same launch
+    (decode_gluon._rest_program), whose partials the poisoned workspace also checks."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
@@ -284,7 +286,7 @@ def test_gluon_decode_attention_matches_reference(case):
         for buffer in workspace.get(q, splits + rest_parts(kv)):
             buffer.fill_(float("nan"))
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon", maxnreg=maxnreg,
-                               workspace=workspace)
+                               workspace=workspace, rest_in_gluon=rest_in_gluon)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
@@ -322,18 +324,20 @@ def test_decode_attention_before_the_first_page(kernel):
 def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     """Without a GPU: the Gluon kernel compiles for sm_90 (its operand layouts are checked to be register renamings
     when it is built: convert_layout(..., assert_trivial=True)); its page loop holds exactly the matrix products the
-    page needs, no spills in it with the compiler's registers, 16-byte cp.async copies of the codes, the shared
-    memory that shared_bytes plans occupancy with."""
+    page needs, no spills in it with the compiler's registers (and at the default cap with the remaining blocks in
+    the launch), 16-byte cp.async copies of the codes, the shared memory that shared_bytes plans occupancy with."""
     code = textwrap.dedent("""
         import torch
         from kernels.decode_gluon import shared_bytes
         from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
-        for method, dtype in (("kitty-pro", torch.bfloat16), ("kivi-k2v2", torch.float16), ("kitty", torch.bfloat16)):
-            compiled = compile_gluon_kernel(method, dtype, 4)
+        for method, dtype, rest in (("kitty-pro", torch.bfloat16, False), ("kivi-k2v2", torch.float16, False),
+                                    ("kitty", torch.bfloat16, False), ("kitty-pro", torch.bfloat16, True)):
+            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=168 if rest else 255, rest=rest)
             row = profile(compiled)
             wide = compiled.asm["ptx"].count("cp.async.cg.shared.global [")
             planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128)
-            print(method, row["loop matrix"], row["loop local ld/st"], row["shared bytes"], planned, wide)
+            print(method + ("-rest" if rest else ""), row["loop matrix"], row["loop local ld/st"], row["shared bytes"],
+                  planned, wide)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
@@ -347,6 +351,8 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     assert rows["kitty-pro"][0] == 4 * (16 + 4 + 16) + ones, run.stdout
     assert rows["kivi-k2v2"][0] == 4 * (16 + 16) + ones, run.stdout
     assert rows["kitty"][0] == 4 * (16 + 2 + 16) + ones, run.stdout
+    # with the remaining blocks in the launch (rest_in_gluon, at the default cap of 168): the same page loop
+    assert rows["kitty-pro-rest"][0] == rows["kitty-pro"][0], run.stdout
     for method, (matrix, spills, shared, planned, wide) in rows.items():
         assert spills == 0 and shared == planned, run.stdout
     # a page's key and value codes in 16-byte cp.async copies
