@@ -1,6 +1,8 @@
 """Static profile of the decode-attention kernel without a GPU: compile it for a CUDA target and count its SASS.
 
     TRITON_INTERPRET=0 python -m kernels.sass_profile [--method kitty-pro ...] [--dtype bf16] [--group 4] [--arch 90]
+                                                      [--kernel triton|gluon|rest] [--warps N] [--maxnreg N]
+                                                      [--rest-tokens N] [--gluon-rest]
 
 Prints registers per thread, spill stack, shared memory and the kernel's instructions by class, for the whole
 kernel and for the body of its loop over paged blocks ("loop ...": what one page costs a warp) (matrix,
