@@ -280,7 +280,8 @@ def bench_tune(args) -> dict:
             def gluon(maxnreg, quarters=4):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
                 own = split_count(q, kv, "gluon", maxnreg)
-                return {**base, "kernel": "gluon", "maxnreg": maxnreg, "splits": max(1, min(pages, own * quarters // 4))}
+                return {**base, "kernel": "gluon", "maxnreg": maxnreg,
+                        "splits": max(1, min(pages, own * quarters // 4))}
 
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
@@ -573,8 +574,8 @@ def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed) ->
     contexts from the prompt to the last token, the batch and the cache made for the whole generation (so memory
     and a static cache's length are the real run's). The decode time is the integral of the median step time over
     the contexts (piecewise linear between the samples); tokens/s counts the first run's prefill (the real prompt)
-    and that decode time (flat past the first and last samples' middles). Page-boundary steps are in no median: for Kitty caches they cost under 1 % of decode time
-    (BENCHMARKS.md section 2)."""
+    and that decode time (flat past the first and last samples' middles). Page-boundary steps are in no median: for
+    Kitty caches they cost under 1 % of decode time (BENCHMARKS.md section 2)."""
     steps = args.sample_steps
     contexts = np.linspace(prompt, prompt + new_tokens - steps, args.sample_contexts).round().astype(int)
     samples = []

@@ -25,8 +25,9 @@ instructions per page). Here the layouts are explicit (Gluon), and the page layo
 One warp per program, as in the Triton kernel, with the same split of paged slots over NSPLIT programs per
 (sequence, KV head) and the same partial outputs; decode_rest.py runs the remaining blocks (sink, buffers) in a
 launch of their own, and the same merge combines both (or, as an experiment not yet measured, `REST` programs of
-this launch do: `_rest_program`, decode_attention(..., rest_in_gluon=True)). (Two warps a program, each half of a page's rows, cost 1.1-1.3x
-the time at every shape measured: BENCHMARKS.md section 1, session 12.) No CPU interpreter runs Gluon:
+this launch do: `_rest_program`, decode_attention(..., rest_in_gluon=True)). (Two warps a program, each half of a
+page's rows, were slower or no faster at five of six shapes: BENCHMARKS.md section 1, session 12.) No CPU
+interpreter runs Gluon:
 `decode_attention(..., kernel="gluon")` is tested on a GPU against the PyTorch reference (tests/test_kernels.py),
 and its static profile comes from `python -m kernels.sass_profile --kernel gluon`.
 """
@@ -37,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .decode_rest import cache_arguments, cache_constants
 from .layout import PagedKV
 
 HEADS_PER_TILE = 8          # the matrix instruction's columns: a KV group of up to 8 query heads
@@ -512,7 +514,9 @@ def _rest_program(q_ptr, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_
                   vscale_ptr, vzero_ptr, ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr, po_ptr, pm_ptr, pl_ptr,
                   qk_scale, b, h, part, j, CK, CV, KMP, VMP, NPART, H: gl.constexpr, GROUP: gl.constexpr,
                   D: gl.constexpr, S: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr):
-    """Remaining block j of sequence b, KV head h (decode_rest._rest_kernel's block j), written as partial `part`."""
+    """Remaining block j of sequence b, KV head h (decode_rest._rest_kernel's block j), written as partial `part`.
+    Which tokens block j holds is worked out as _rest_kernel does, line for line: a Gluon kernel cannot call a
+    Triton function, and both must give the merge the same blocks."""
     T: gl.constexpr = REST_T
     TC: gl.constexpr = REST_TC
     G4: gl.constexpr = G // 4
@@ -652,15 +656,8 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     decode_attention's split (and with rest, parts num_splits .. of decode_rest's blocks), q (B, HQ, D), qk_scale =
     sm_scale * log2(e), parts the (output, max, sum) partials. Also used to compile the kernel for a profile
     (kernels.sass_profile)."""
-    part_o, part_m, part_l = parts
-    hq, d = q.shape[1:]
-    h = kv.k_fp.shape[1]
-    args = (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high,
-            kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages, kv.n_vpages, part_o, part_m,
-            part_l, qk_scale, kv.k_fp.shape[2], kv.v_fp.shape[2], kv.k_table.shape[1], kv.v_table.shape[1],
-            num_splits, part_m.shape[2])
-    constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, REST=rest)
-    return args, constants
+    args = (*cache_arguments(q, kv, qk_scale, parts), num_splits, parts[1].shape[2])
+    return args, dict(cache_constants(q, kv), REST=rest)
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,

@@ -176,7 +176,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gluon-rest", action="store_true",
                         help="the Gluon kernel with the remaining blocks' programs in its launch (rest_in_gluon)")
     parser.add_argument("--maxnreg", type=int,
-                        help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's choice)")
+                        help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's "
+                             "choice)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run with TRITON_INTERPRET=0: without a GPU, importing kernels/ turns Triton's interpreter on, "
