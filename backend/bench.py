@@ -56,7 +56,7 @@ import triton.testing
 from kernels.decode_attention import (GLUON_MAXNREG, KERNELS, MAXNREG, DecodeWorkspace,
                                       decode_attention, default_splits, merge_splits, multiprocessors,
                                       resident_programs, split_count)
-from kernels.decode_rest import REST_TOKENS, REST_WARPS, rest_blocks
+from kernels.decode_rest import rest_blocks
 
 from . import memory
 from .cache import FLUSH_MODES, KittyLayer
@@ -246,7 +246,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "rest")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "rest", "merge")
 
 
 def bench_tune(args) -> dict:
@@ -274,8 +274,8 @@ def bench_tune(args) -> dict:
             # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=REST_WARPS,
-                        rest_tokens=REST_TOKENS, rest_in_gluon=False)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None,
+                        merge_one_pass=False)
 
             def gluon(maxnreg, quarters=4):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
@@ -292,13 +292,12 @@ def bench_tune(args) -> dict:
                       "kernel": [gluon(GLUON_MAXNREG)],
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
-                      # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps and tokens
-                      # a program (longer blocks: fewer partials to write and merge, more latency a program); or
-                      # the remaining blocks in the Gluon kernel's launch
-                      "rest": [{**setting, "rest_warps": w, "rest_tokens": n}
-                               for setting in (base, gluon(GLUON_MAXNREG)) for w, n in
-                               ((1, 32), (2, 32), (4, 32), (2, 64), (4, 64), (4, 128))]
-                      + [{**gluon(GLUON_MAXNREG), "rest_in_gluon": True}]}
+                      # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
+                      # (None: decode_rest.rest_warps, by the launch's programs)
+                      "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
+                               for w in (1, 2, 4)],
+                      # the merge in one step where channel blocks allow it, beside the Gluon kernel
+                      "merge": [{**gluon(GLUON_MAXNREG), "merge_one_pass": one_pass} for one_pass in (False, True)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
@@ -306,13 +305,12 @@ def bench_tune(args) -> dict:
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                                rest_warps=setting["rest_warps"],
-                                               rest_tokens=setting["rest_tokens"],
-                                               rest_in_gluon=setting["rest_in_gluon"])
+                                               merge_one_pass=setting["merge_one_pass"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels))
-                print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {v if isinstance(v, str) else int(v)}"
+                print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}"
                                                             for k, v in setting.items())
                       + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
                       f"{rows[-1]['gbs']:7.0f} GB/s" + "".join(f" | {name[:24]} {us:.1f}"
@@ -435,14 +433,20 @@ def make_peer_cache(method, model, batch, max_len, flush_spread=1, flush="auto")
 
 
 class StepClock:
-    """A stopping criterion that never stops: it timestamps every generated token (after a device sync)."""
+    """A stopping criterion that never stops: it timestamps every generated token (after a device sync), and on a
+    GPU keeps the prefill's peak memory apart from the decode steps' (prefill_peak_gb; the allocator's peak is reset
+    at the first token)."""
 
     def __init__(self):
         self.stamps = []
+        self.prefill_peak_gb = None
 
     def __call__(self, input_ids, scores, **kwargs):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+            if not self.stamps:
+                self.prefill_peak_gb = torch.cuda.max_memory_allocated() / 1e9
+                torch.cuda.reset_peak_memory_stats()
         self.stamps.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -463,15 +467,21 @@ def page_boundary_steps(method: str, prompt: int, steps: int, flush_spread: int 
 
 
 def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
-                 flush="auto", cache_tokens=None):
+                 flush="auto", cache_tokens=None, cached=0):
     """One timed model.generate; cuda_graphs: replay decode steps as CUDA graphs (backend.graphs) where the cache
     allows it (Kitty caches with both sides quantized, on a GPU); flush: how Kitty caches make pages (make_cache);
-    cache_tokens: the tokens the cache is made for (default prompt + new_tokens)."""
+    cache_tokens: the tokens the cache is made for (default cached + prompt + new_tokens); cached: tokens put into
+    the cache first, untimed, by forwards of `prompt` tokens, so that the timed generate's prompt and decode steps
+    come after them (a later context of a long generation: sampled_generate)."""
     from transformers import StoppingCriteriaList
     device = model.device
-    ids = torch.randint(100, model.config.vocab_size, (batch, prompt), device=device,
+    ids = torch.randint(100, model.config.vocab_size, (batch, cached + prompt), device=device,
                         generator=torch.Generator(device=device).manual_seed(1))
-    cache = make_peer_cache(method, model, batch, cache_tokens or prompt + new_tokens, flush_spread, flush)
+    cache = make_peer_cache(method, model, batch, cache_tokens or cached + prompt + new_tokens, flush_spread, flush)
+    with torch.no_grad():
+        for first in range(0, cached, prompt):
+            model(input_ids=ids[:, first:min(first + prompt, cached)], past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
     clock = StepClock()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -483,7 +493,7 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefi
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, disable_compile=True,
                              prefill_chunk_size=prefill_chunk, stopping_criteria=StoppingCriteriaList([clock]))
     total = time.perf_counter() - start
-    assert out.shape == (batch, prompt + new_tokens)
+    assert out.shape == (batch, cached + prompt + new_tokens)
     steps = np.diff(np.array(clock.stamps)) * 1e3                  # decode step latencies, ms
     ttft = clock.stamps[0] - start
     quantized = not method.startswith("hf-") and method != "fp16"
@@ -493,9 +503,12 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefi
                p50_ms=float(np.median(steps)), p99_ms=float(np.percentile(steps, 99)), max_ms=float(steps.max()),
                cuda_graphs=dict(captures=graphs.captures, replays=graphs.replays, disabled=graphs.disabled)
                if cuda_graphs else None,
-               peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None)
+               peak_gb=max(clock.prefill_peak_gb, torch.cuda.max_memory_allocated() / 1e9)
+               if torch.cuda.is_available() else None,
+               prefill_peak_gb=clock.prefill_peak_gb,
+               decode_peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None)
     if quantized:
-        boundary = page_boundary_steps(method, prompt, len(steps), flush_spread)
+        boundary = page_boundary_steps(method, cached + prompt, len(steps), flush_spread)
         row["flush_spread"], row["flush"] = flush_spread, flush
         median = np.median(steps[~boundary])
         row["flush_steps_ms"] = float(np.mean(steps[boundary])) if boundary.any() else None
@@ -575,15 +588,28 @@ def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed) ->
     and a static cache's length are the real run's). The decode time is the integral of the median step time over
     the contexts (piecewise linear between the samples); tokens/s counts the first run's prefill (the real prompt)
     and that decode time (flat past the first and last samples' middles). Page-boundary steps are in no median: for
-    Kitty caches they cost under 1 % of decode time (BENCHMARKS.md section 2)."""
+    Kitty caches they cost under 1 % of decode time (BENCHMARKS.md section 2).
+    A later context's cache is filled first (run_generate's `cached`), then its run prefills the prompt on top of
+    it. That prefill attends over the whole context, a transient the real generation never has, so on a GPU those
+    runs may use all of its memory (the memory cap is lifted for them); the row's peak is the first run's prefill
+    and every run's decode steps (decode_peak_gb: under the budget if the plan is right)."""
     steps = args.sample_steps
     contexts = np.linspace(prompt, prompt + new_tokens - steps, args.sample_contexts).round().astype(int)
     samples = []
     for context in contexts:
-        run = run_generate(model, method, batch, int(context), steps, args.flush_spread, args.prefill_chunk,
-                           graphed, args.flush, cache_tokens=prompt + new_tokens)
+        lift = torch.cuda.is_available() and context > prompt
+        if lift:
+            capped = args.budget_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        try:
+            run = run_generate(model, method, batch, prompt, steps, args.flush_spread, args.prefill_chunk, graphed,
+                               args.flush, cache_tokens=prompt + new_tokens, cached=int(context) - prompt)
+        finally:
+            if lift:
+                torch.cuda.empty_cache()
+                torch.cuda.set_per_process_memory_fraction(min(1.0, capped))
         samples.append(dict(context=int(context), p50_ms=run["p50_ms"], ttft_ms=run["ttft_ms"],
-                            peak_gb=run["peak_gb"]))
+                            prefill_peak_gb=run["prefill_peak_gb"], decode_peak_gb=run["decode_peak_gb"]))
     medians = np.array([x["p50_ms"] for x in samples])
     # a run's median step is the step in the middle of its contexts
     decode_s = float(np.interp(np.arange(prompt, prompt + new_tokens - 1), contexts + (steps - 1) / 2,
@@ -593,7 +619,8 @@ def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed) ->
                 estimated=True, samples=samples, seconds=ttft_s + decode_s,
                 tokens_per_s=batch * new_tokens / (ttft_s + decode_s),
                 decode_tokens_per_s=batch * (new_tokens - 1) / decode_s, ttft_ms=ttft_s * 1e3,
-                p50_ms=float(np.median(medians)), peak_gb=max(x["peak_gb"] or 0 for x in samples) or None)
+                p50_ms=float(np.median(medians)),
+                peak_gb=max([samples[0]["prefill_peak_gb"] or 0] + [x["decode_peak_gb"] or 0 for x in samples]) or None)
 
 
 def ragged_prompt(batch: int, prompt: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,11 +24,10 @@ instructions per page). Here the layouts are explicit (Gluon), and the page layo
 
 One warp per program, as in the Triton kernel, with the same split of paged slots over NSPLIT programs per
 (sequence, KV head) and the same partial outputs; decode_rest.py runs the remaining blocks (sink, buffers) in a
-launch of their own, and the same merge combines both (or, as an experiment not yet measured, `REST` programs of
-this launch do: `_rest_program`, decode_attention(..., rest_in_gluon=True)). (Two warps a program, each half of a
-page's rows, were slower or no faster at five of six shapes: BENCHMARKS.md section 1, session 12.) No CPU
-interpreter runs Gluon:
-`decode_attention(..., kernel="gluon")` is tested on a GPU against the PyTorch reference (tests/test_kernels.py),
+launch of their own, and the same merge combines both. Measured on the H200 and not kept (BENCHMARKS.md section 1,
+sessions 12 and 13): two warps a program, each half of a page's rows (slower or no faster at five of six shapes),
+and the remaining blocks as programs of this launch (plain arithmetic, slower at all six). No CPU interpreter runs
+Gluon: `decode_attention(..., kernel="gluon")` is tested on a GPU against the PyTorch reference (tests/test_kernels.py),
 and its static profile comes from `python -m kernels.sass_profile --kernel gluon`.
 """
 from __future__ import annotations
@@ -389,26 +388,13 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, CK, CV, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, S: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, REST: gl.constexpr):
-    """Program (b, h, part): part < NSPLIT, the paged slots of sequence b, KV head h (_paged_program); with REST,
-    part = NSPLIT + j is the remaining block j (_rest_program: decode_rest's blocks of 32 tokens, in this launch)."""
-    b = gl.program_id(0)
-    h = gl.program_id(1)
-    part = gl.program_id(2)
-    if REST:
-        if part >= NSPLIT:
-            _rest_program(q_ptr, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr,
-                          vhigh_ptr, vscale_ptr, vzero_ptr, ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr, po_ptr,
-                          pm_ptr, pl_ptr, qk_scale, b, h, part, part - NSPLIT, CK, CV, KMP, VMP, NPART, H, GROUP, D,
-                          S, G, NB, V_BITS)
-        else:
-            _paged_program(q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr,
-                           vscale_ptr, vzero_ptr, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, po_ptr, pm_ptr, pl_ptr,
-                           qk_scale, b, h, part, KMP, VMP, NSPLIT, NPART, H, GROUP, D, G, NB, V_BITS)
-    else:
-        _paged_program(q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr,
-                       vzero_ptr, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, po_ptr, pm_ptr, pl_ptr, qk_scale, b, h, part,
-                       KMP, VMP, NSPLIT, NPART, H, GROUP, D, G, NB, V_BITS)
+        V_BITS: gl.constexpr):
+    """Program (b, h, part): the paged slots of sequence b, KV head h (_paged_program). It takes decode_rest's
+    argument list (cache_arguments), of which it reads the paged planes, tables and page counts."""
+    _paged_program(q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr,
+                   vzero_ptr, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, po_ptr, pm_ptr, pl_ptr, qk_scale,
+                   gl.program_id(0), gl.program_id(1), gl.program_id(2), KMP, VMP, NSPLIT, NPART, H, GROUP, D, G, NB,
+                   V_BITS)
 
 
 @gluon.jit
@@ -498,132 +484,6 @@ def _paged_program(q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, v
     gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
 
 
-# ---------------------------------------------------------------------------------------------- remaining blocks
-# decode_rest.py's blocks (the sink, and the slots after the paged ones: REST_TOKENS = 32 consecutive tokens a
-# program) as programs of this launch, so that they run beside the paged slots' programs instead of in a launch of
-# their own before them (at batch 1 that launch took 4 us of the 19-20: BENCHMARKS.md section 1, session 12). Few
-# and short, they are computed with plain arithmetic, not the matrix unit: token t of a block on lane t for the
-# scores (each lane a key row's channels), channels on the lanes for the output (every lane each token's
-# probabilities, through shared memory).
-REST_T = gl.constexpr(32)
-REST_TC = gl.constexpr(2)           # value tokens a step
-
-
-@gluon.jit
-def _rest_program(q_ptr, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr,
-                  vscale_ptr, vzero_ptr, ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr, po_ptr, pm_ptr, pl_ptr,
-                  qk_scale, b, h, part, j, CK, CV, KMP, VMP, NPART, H: gl.constexpr, GROUP: gl.constexpr,
-                  D: gl.constexpr, S: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr):
-    """Remaining block j of sequence b, KV head h (decode_rest._rest_kernel's block j), written as partial `part`.
-    Which tokens block j holds is worked out as _rest_kernel does, line for line: a Gluon kernel cannot call a
-    Triton function, and both must give the merge the same blocks."""
-    T: gl.constexpr = REST_T
-    TC: gl.constexpr = REST_TC
-    G4: gl.constexpr = G // 4
-    D4: gl.constexpr = D // 4
-    PIECES: gl.constexpr = (G + T - 1) // T
-    klay: gl.constexpr = gl.BlockedLayout([1, KC], [32, 1], [1, 1], [1, 0])          # (tokens, channel chunk)
-    slay: gl.constexpr = gl.BlockedLayout([1, HEADS], [32, 1], [1, 1], [1, 0])       # (tokens, heads)
-    l3: gl.constexpr = gl.BlockedLayout([TC, HEADS, D // 32], [1, 1, 32], [1, 1, 1], [2, 1, 0])  # (t, heads, ch)
-    length = gl.load(seqlen_ptr + b)
-    nkp = gl.load(nkp_ptr + b)
-    nvp = gl.load(nvp_ptr + b)
-    n_paged = gl.minimum(nkp, nvp)
-    sink_len = gl.minimum(length, S)
-    n_sink = gl.cdiv(sink_len, T)
-    in_sink = j < n_sink
-    u = gl.maximum(j - n_sink, 0)
-    slot = n_paged + u // PIECES
-    first = (u % PIECES) * T                                      # the block's first token within its slot
-    key_paged = (j >= n_sink) & (slot < nkp)
-    value_paged = (j >= n_sink) & (slot < nvp)
-    kpage = gl.load(ktab_ptr + b * KMP + slot, mask=key_paged, other=0).to(gl.int64) * H + h
-    vpage = gl.load(vtab_ptr + b * VMP + slot, mask=value_paged, other=0).to(gl.int64) * H + h
-    krow = gl.where(in_sink, j * T, S + (slot - nkp) * G + first)                   # full-precision rows
-    vrow = gl.where(in_sink, j * T, S + (slot - nvp) * G + first)
-    kv_head = (b * H + h).to(gl.int64)
-    q_row = q_ptr + kv_head * GROUP * D                                             # head i at q_row + i * D
-
-    # scores (tokens, heads), log2 units: token t on lane t, KC channels of its key at a time
-    t = gl.arange(0, T, layout=gl.SliceLayout(1, klay))
-    tok = first + t
-    valid = gl.where(in_sink, j * T + t < sink_len, (tok < G) & (S + slot * G + tok < length))
-    dch = gl.arange(0, KC, layout=gl.SliceLayout(0, klay))
-    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, slay))
-    s = gl.zeros([T, HEADS], gl.float32, slay)
-    for c in gl.static_range(D // KC):
-        dd = c * KC + dch
-        if key_paged:                                 # token tok: row tok % G4 of the low plane, at bits 2 * quarter
-            low = gl.load(klow_ptr + kpage * (G4 * D) + (tok % G4)[:, None] * D + dd[None, :],
-                          mask=(tok < G)[:, None], other=0)
-            scale = gl.load(kscale_ptr + kpage * D + dd).to(gl.float32)
-            zero = gl.load(kzero_ptr + kpage * D + dd).to(gl.float32)
-            k = ((low.to(gl.int32) >> (2 * (tok // G4))[:, None]) & 3).to(gl.float32) * scale[None, :] + zero[None, :]
-        else:
-            k = gl.load(kfp_ptr + (kv_head * CK + krow + t)[:, None] * D + dd[None, :], mask=valid[:, None],
-                        other=0.0).to(gl.float32)
-        for i in gl.static_range(GROUP):
-            qi = gl.load(q_row + i * D + dd).to(gl.float32)
-            si = gl.convert_layout(gl.sum(k * qi[None, :], axis=1), gl.SliceLayout(1, slay))
-            s = s + gl.where(heads[None, :] == i, si[:, None], 0.0)
-    if NB > 0:
-        if key_paged:                                 # the boosted channels' high bits: + 4 * q_c * scale_c * high_c
-            BC: gl.constexpr = _chunk(NB)
-            hlay: gl.constexpr = gl.BlockedLayout([1, BC], [32, 1], [1, 1], [1, 0])
-            th = first + gl.arange(0, T, layout=gl.SliceLayout(1, hlay))
-            for cb in gl.static_range(NB // BC):
-                r = cb * BC + gl.arange(0, BC, layout=gl.SliceLayout(0, hlay))
-                ch = gl.load(kch_ptr + kpage * NB + r).to(gl.int32)
-                ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32) * 4.0
-                hbits = gl.load(khigh_ptr + kpage * (G4 * NB) + (th % G4)[:, None] * NB + r[None, :],
-                                mask=(th < G)[:, None], other=0)
-                hk = ((hbits.to(gl.int32) >> (2 * (th // G4))[:, None]) & 3).to(gl.float32) * ch_scale[None, :]
-                for i in gl.static_range(GROUP):
-                    qb = gl.load(q_row + i * D + ch).to(gl.float32)
-                    sb = gl.convert_layout(gl.sum(hk * qb[None, :], axis=1), gl.SliceLayout(1, slay))
-                    s = s + gl.where(heads[None, :] == i, sb[:, None], 0.0)
-    s = gl.where(gl.convert_layout(valid, gl.SliceLayout(1, slay))[:, None], s * qk_scale, float("-inf"))
-    m = gl.max(s, axis=0)
-    p = gl.exp2(s - gl.where(m > float("-inf"), m, 0.0)[None, :])                 # 0 where masked, also if all are
-    l = gl.sum(p, axis=0)
-
-    # output (heads, channels): channels on the lanes, every lane the probabilities of TC tokens at a time
-    p_s = gl.allocate_shared_memory(gl.float32, [T, HEADS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    p_s.store(p)
-    _BARRIER()
-    vl: gl.constexpr = gl.SliceLayout(1, l3)
-    dv = gl.arange(0, D, layout=gl.SliceLayout(0, vl))
-    out = gl.zeros([HEADS, D], gl.float32, gl.SliceLayout(0, l3))
-    for i in gl.static_range(T // TC):
-        tv = i * TC + gl.arange(0, TC, layout=gl.SliceLayout(1, vl))
-        tokv = first + tv
-        validv = gl.where(in_sink, j * T + tv < sink_len, (tokv < G) & (S + slot * G + tokv < length))
-        if value_paged:                               # token tokv: column tokv, channel c at byte c % D4, bits c // D4
-            offs = vpage * (D4 * G) + (dv % D4)[None, :] * G + tokv[:, None]
-            shift = 2 * (dv // D4)[None, :]
-            vcode = (gl.load(vlow_ptr + offs, mask=(tokv < G)[:, None], other=0).to(gl.int32) >> shift) & 3
-            if V_BITS == 4:
-                vhbits = gl.load(vhigh_ptr + offs, mask=(tokv < G)[:, None], other=0).to(gl.int32)
-                vcode = vcode | (((vhbits >> shift) & 3) << 2)
-            vs = gl.load(vscale_ptr + vpage * G + tokv, mask=tokv < G, other=0.0).to(gl.float32)
-            vz = gl.load(vzero_ptr + vpage * G + tokv, mask=tokv < G, other=0.0).to(gl.float32)
-            v = vcode.to(gl.float32) * vs[:, None] + vz[:, None]
-        else:
-            v = gl.load(vfp_ptr + (kv_head * CV + vrow + tv)[:, None] * D + dv[None, :], mask=validv[:, None],
-                        other=0.0).to(gl.float32)
-        pc = p_s.slice(i * TC, TC).load(gl.SliceLayout(2, l3))                    # (TC, heads), every lane
-        out = out + gl.sum(pc[:, :, None] * v[:, None, :], axis=0)
-
-    hmask = heads < GROUP
-    idx = (kv_head * GROUP + heads).to(gl.int64) * NPART + part
-    gl.store(pm_ptr + idx, m, mask=hmask)
-    gl.store(pl_ptr + idx, l, mask=hmask)
-    ho = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(0, l3)))
-    do = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
-    idxo = (kv_head * GROUP + ho).to(gl.int64) * NPART + part
-    gl.store(po_ptr + idxo[:, None] * D + do[None, :], out, mask=(ho < GROUP)[:, None])
-
-
 SHARED_PER_SM = 228 * 1024          # H100 / H200: shared memory of a multiprocessor, and what each program reserves
 SHARED_RESERVED = 1024
 CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one token quarter at a time
@@ -632,8 +492,7 @@ CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one 
 def shared_bytes(kv: PagedKV, head_dim: int) -> int:
     """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers and the conversion
     scratch (the placeholders of planes the method lacks are never used, and the compiler drops them;
-    tests/test_kernels.py checks this against compiled kernels). The remaining blocks' probabilities (REST) share
-    the paged slots' space: the same bytes."""
+    tests/test_kernels.py checks this against compiled kernels)."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + nb + 4 * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
@@ -650,20 +509,16 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, by_shared))
 
 
-def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
-                     rest: bool = False) -> tuple[tuple, dict]:
+def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
-    decode_attention's split (and with rest, parts num_splits .. of decode_rest's blocks), q (B, HQ, D), qk_scale =
-    sm_scale * log2(e), parts the (output, max, sum) partials. Also used to compile the kernel for a profile
-    (kernels.sass_profile)."""
+    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials.
+    Also used to compile the kernel for a profile (kernels.sass_profile)."""
     args = (*cache_arguments(q, kv, qk_scale, parts), num_splits, parts[1].shape[2])
-    return args, dict(cache_constants(q, kv), REST=rest)
+    return args, cache_constants(q, kv)
 
 
-def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           rest_blocks: int = 0) -> None:
-    """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's), and
-    rest_blocks programs more per (sequence, KV head) for the remaining blocks (0: none, decode_rest.py takes them)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, rest=rest_blocks > 0)
-    _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits + rest_blocks)](
+def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int) -> None:
+    """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits)
+    _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

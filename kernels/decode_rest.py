@@ -21,29 +21,37 @@ import triton.language as tl
 
 from .layout import PagedKV
 
-REST_TOKENS = 32            # tokens of a program (decode_attention's default rest_tokens)
-REST_WARPS = 2              # warps of a program (decode_attention's default rest_warps)
+# Tokens of a program. 64 and 128 (fewer partials to write and merge at large batch, more latency a program) were
+# slower or no faster at all six Qwen3-8B shapes (BENCHMARKS.md section 1, session 13): 32 stays, without an option.
+REST_TOKENS = 32
 
 
-def rest_block_tokens(page_size: int, tokens: int = REST_TOKENS) -> int:
-    """Tokens of one program: `tokens` (a power of two), or a whole page where pages are shorter; at least 16 (the
-    matrix products' smallest tile)."""
-    return max(16, min(tokens, triton.next_power_of_2(page_size)))
+def rest_warps(programs: int, sm_count: int) -> int:
+    """Warps of a program in a launch of `programs`: 4 while there is at most one program a multiprocessor (batch 1
+    of Qwen3-8B's kitty-pro: 72 programs, 3.8 against 4.2 us), else 2 (4 cost 2-4 us at batch 64, 1 is slower
+    everywhere; BENCHMARKS.md section 1, sessions 12 and 13)."""
+    return 4 if programs <= sm_count else 2
 
 
-def rest_parts(kv: PagedKV, tokens: int = REST_TOKENS) -> int:
+def rest_block_tokens(page_size: int) -> int:
+    """Tokens of one program: REST_TOKENS, or a whole page where pages are shorter; at least 16 (the matrix
+    products' smallest tile)."""
+    return max(16, min(REST_TOKENS, triton.next_power_of_2(page_size)))
+
+
+def rest_parts(kv: PagedKV) -> int:
     """An upper bound (from sizes the host knows) on a sequence's programs here (rest_blocks of its buffers'
     capacity)."""
-    return rest_blocks(kv.page_size, kv.sink, max(kv.k_fp.shape[2], kv.v_fp.shape[2]), tokens)
+    return rest_blocks(kv.page_size, kv.sink, max(kv.k_fp.shape[2], kv.v_fp.shape[2]))
 
 
-def rest_blocks(page_size: int, sink: int, capacity: int, tokens: int = REST_TOKENS) -> int:
+def rest_blocks(page_size: int, sink: int, capacity: int) -> int:
     """Programs of a sequence whose full-precision buffers hold at most `capacity` tokens (sink included), with
-    rest_block_tokens(page_size, tokens) tokens each: the sink's, and those of the slots after the paged ones.
+    rest_block_tokens(page_size) tokens each: the sink's, and those of the slots after the paged ones.
     Those slots start at a slot boundary and span the longer side's buffer: with n_kpages >= n_vpages, the key pages
     past the paged slots and the key buffer hold as many tokens as the value buffer (and the other way round), so
     at most capacity - sink tokens."""
-    t = rest_block_tokens(page_size, tokens)
+    t = rest_block_tokens(page_size)
     slots = triton.cdiv(capacity - sink, page_size)
     return triton.cdiv(sink, t) + triton.cdiv(page_size, t) * slots
 
@@ -149,23 +157,22 @@ def _rest_kernel(
     tl.store(po_ptr + idx[:, None] * D + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
 
 
-def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
-                          tokens: int = REST_TOKENS) -> tuple[tuple, dict]:
+def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,
+                          prec: str) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _rest_kernel: parts (output, max, sum) first_part ..
-    first_part + rest_parts(kv, tokens) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e); dot / prec:
-    the products' operand type and input precision, decode_attention's; tokens: a program's, rest_block_tokens).
+    first_part + rest_parts(kv) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e); dot / prec: the
+    products' operand type and input precision, decode_attention's).
     Also used to compile the kernel for a profile (kernels.sass_profile)."""
     hq, d = q.shape[1:]
     args = (*cache_arguments(q, kv, qk_scale, parts), parts[1].shape[2], first_part)
-    constants = dict(cache_constants(q, kv), DOT=dot, PREC=prec, T=rest_block_tokens(kv.page_size, tokens),
+    constants = dict(cache_constants(q, kv), DOT=dot, PREC=prec, T=rest_block_tokens(kv.page_size),
                      BLOCK_M=max(16, triton.next_power_of_2(hq // kv.k_fp.shape[1])), BLOCK_D=triton.next_power_of_2(d),
                      BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)))
     return args, constants
 
 
 def cache_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts) -> tuple:
-    """The run-time arguments that _rest_kernel and decode_gluon's kernel (whose programs may run these blocks
-    too) share, in their order: queries, every plane of the cache, its tables and lengths, the (output, max,
+    """The run-time arguments that _rest_kernel and decode_gluon's kernel share, in their order: queries, every plane of the cache, its tables and lengths, the (output, max,
     sum) partials, qk_scale and the buffers' and tables' widths."""
     return (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high,
             kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages, kv.n_vpages, *parts, qk_scale,
@@ -180,7 +187,7 @@ def cache_constants(q: torch.Tensor, kv: PagedKV) -> dict:
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
-                num_warps: int = REST_WARPS, tokens: int = REST_TOKENS) -> None:
+                num_warps: int) -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program."""
-    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, tokens)
-    _rest_kernel[(q.shape[0], kv.k_fp.shape[1], rest_parts(kv, tokens))](*args, **constants, num_warps=num_warps)
+    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec)
+    _rest_kernel[(q.shape[0], kv.k_fp.shape[1], rest_parts(kv))](*args, **constants, num_warps=num_warps)

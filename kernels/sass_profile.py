@@ -2,7 +2,6 @@
 
     TRITON_INTERPRET=0 python -m kernels.sass_profile [--method kitty-pro ...] [--dtype bf16] [--group 4] [--arch 90]
                                                       [--kernel triton|gluon|rest] [--warps N] [--maxnreg N]
-                                                      [--rest-tokens N] [--gluon-rest]
 
 Prints registers per thread, spill stack, shared memory and the kernel's instructions by class, for the whole
 kernel and for the body of its loop over paged blocks ("loop ...": what one page costs a warp) (matrix,
@@ -70,7 +69,7 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                        arch: int = 90, num_warps: int = 2, tokens: int = 32):
+                        arch: int = 90, num_warps: int = 2):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel."""
     from triton.compiler import ASTSource
 
@@ -78,16 +77,15 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
     from kernels.decode_rest import _rest_kernel, rest_kernel_arguments, rest_parts
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
-    n = rest_parts(kv, tokens)
+    n = rest_parts(kv)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
-    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
-                                            tokens)
+    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)))
     return _compile(ASTSource, _rest_kernel, args, constants, arch, {"num_warps": num_warps})
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90, maxnreg: int = 255, rest: bool = False):
+                         splits: int = 16, arch: int = 90, maxnreg: int = 255):
     """The Gluon kernel of decode_attention(kernel="gluon") for the same example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -96,7 +94,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, rest)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits)
     return _compile(GluonASTSource, _gluon_paged_kernel, args, constants, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
@@ -172,9 +170,6 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel", choices=["triton", "gluon", "rest"], default="triton",
                         help="decode_attention's kernel over the paged blocks (gluon: kernels/decode_gluon.py), or "
                              "the one over the remaining blocks (rest: kernels/decode_rest.py, no loop)")
-    parser.add_argument("--rest-tokens", type=int, default=32, help="tokens a program of the rest kernel")
-    parser.add_argument("--gluon-rest", action="store_true",
-                        help="the Gluon kernel with the remaining blocks' programs in its launch (rest_in_gluon)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's "
                              "choice)")
@@ -186,11 +181,9 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         if args.kernel == "gluon":
-            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
-                                            rest=args.gluon_rest)
+            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255)
         elif args.kernel == "rest":
-            compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
-                                           tokens=args.rest_tokens)
+            compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg)

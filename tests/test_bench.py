@@ -135,21 +135,22 @@ def test_sampled_generation_integrates_the_measured_step_times(monkeypatch):
     """`generate --sample-contexts N`: runs of a few steps at N contexts from the prompt to the last token, each with
     the batch and a cache made for the whole generation; the decode time is the median step times integrated over
     the contexts (exact for step times linear in the context, as a growing cache's are, but for the 8 steps past
-    the first and last runs' middles)."""
+    the first and last runs' middles). A later context's run has the tokens before its prompt cached first."""
     import argparse
 
     from backend import bench
     calls = []
 
     def timed(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
-              flush="auto", cache_tokens=None):
-        calls.append((batch, prompt, new_tokens, cache_tokens))
-        return dict(p50_ms=2.0 + 0.01 * (prompt + 7.5), ttft_ms=500.0, peak_gb=None)     # steps at prompt .. + 15
+              flush="auto", cache_tokens=None, cached=0):
+        calls.append((batch, prompt, new_tokens, cache_tokens, cached))
+        context = cached + prompt                                                     # steps at context .. + 15
+        return dict(p50_ms=2.0 + 0.01 * (context + 7.5), ttft_ms=500.0, prefill_peak_gb=None, decode_peak_gb=None)
 
     monkeypatch.setattr(bench, "run_generate", timed)
     args = argparse.Namespace(sample_contexts=5, sample_steps=16, flush_spread=1, prefill_chunk=None, flush="auto")
     row = bench.sampled_generate(None, "hf-dynamic", 8, 512, 8192, args, graphed=False)
-    assert calls == [(8, c, 16, 512 + 8192) for c in (512, 2556, 4600, 6644, 8688)]
+    assert calls == [(8, 512, 16, 512 + 8192, c - 512) for c in (512, 2556, 4600, 6644, 8688)]
     decode_s = sum(2.0 + 0.01 * c for c in range(512, 512 + 8191)) / 1e3
     assert row["estimated"] and row["decode_tokens_per_s"] == pytest.approx(8 * 8191 / decode_s, rel=1e-5)
     assert row["tokens_per_s"] == pytest.approx(8 * 8192 / (0.5 + decode_s), rel=1e-5)

@@ -22,8 +22,8 @@ from backend.cache import KittyLayer
 from backend.methods import method_config
 from kernels.decode_attention import (KERNELS, MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref,
                                       default_splits, field_weights, gather_kv, merge_blocks, merge_splits,
-                                      split_count, unpack_asm)
-from kernels.decode_rest import rest_parts
+                                      multiprocessors, split_count, unpack_asm)
+from kernels.decode_rest import rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import boost_mask, pack_quarters, unpack_quarters
@@ -233,22 +233,6 @@ def test_decode_attention_matches_reference(case):
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
 
 
-@pytest.mark.parametrize("tokens", [16, 64, 128])
-@pytest.mark.parametrize("case", [ATTENTION_CASES[i] for i in (0, 2, 4, 5, 8)],
-                         ids=lambda c: f"L{c[0]}-d{c[2]}-g{c[7]}-k{c[4]}v{c[5]}")
-def test_remaining_blocks_in_programs_of_any_length(case, tokens):
-    """decode_rest's programs of 16 to 128 tokens (besides the default 32): blocks that end inside a token quarter
-    or span several, pages shorter than a block (36 tokens), a key page whose values are in the window, 16-bit
-    values; the same attention as the reference."""
-    lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
-    kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
-                               v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
-    q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
-    out = decode_attention(q, kv, d ** -0.5, num_splits=2, rest_tokens=tokens)
-    tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-    assert rel_err(out, decode_attention_ref(q, kv, d ** -0.5)) < tol
-
-
 GLUON_CASES = [
     # lengths, KV heads, head_dim, GQA group, k_bits, v_bits, sink, page, window, boosted, dtype: shapes the Gluon
     # kernel takes (pages of 64 or 128 tokens, head_dim 64 or 128, boosted channels a multiple of 16)
@@ -262,17 +246,15 @@ GLUON_CASES = [
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
-@pytest.mark.parametrize("rest_in_gluon", [False, True])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
-def test_gluon_decode_attention_matches_reference(case, rest_in_gluon):
+def test_gluon_decode_attention_matches_reference(case):
     """The Gluon kernel with one split (programs of many slots: every buffer refilled many times), three, and the
     default split, at the compiler's registers and the default cap, against the reference and the Triton kernel;
     the partials and the output poisoned first, so that an unwritten element fails. Its arithmetic is not the Triton
     kernel's (fp16 operands for both query dtypes, products with ones for the zero terms and the sums of p): it
     must be about as close to the reference as the Triton kernel (within 25 %), or within a quarter of the
     tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton kernel's operands are bf16),
-    0.8-1.08x the Triton kernel's error with fp16 ones. rest_in_gluon: the remaining blocks in the same launch
-    (decode_gluon._rest_program), whose partials the poisoned workspace also checks."""
+    0.8-1.08x the Triton kernel's error with fp16 ones."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
@@ -286,7 +268,7 @@ def test_gluon_decode_attention_matches_reference(case, rest_in_gluon):
         for buffer in workspace.get(q, splits + rest_parts(kv)):
             buffer.fill_(float("nan"))
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon", maxnreg=maxnreg,
-                               workspace=workspace, rest_in_gluon=rest_in_gluon)
+                               workspace=workspace)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
@@ -296,16 +278,31 @@ def test_gluon_decode_attention_matches_reference(case, rest_in_gluon):
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
 @pytest.mark.parametrize("kernel", ["triton", "gluon"])
-@pytest.mark.parametrize("rest_warps", [1, 4])
+@pytest.mark.parametrize("rest_warps", [1, 2, 4])
 def test_remaining_blocks_warps(kernel, rest_warps):
-    """The remaining blocks' launch (decode_rest.py) with other warps a program than the default: the same output
-    up to the order of float sums."""
+    """The remaining blocks' launch (decode_rest.py) with each warp count a program (the default here, 54 programs:
+    4): the same output up to the order of float sums."""
     kv, _, _ = random_paged_kv([4100, 300, 1], heads=2, head_dim=128, sink=32, page_size=128, window=128, k_bits=2,
                                v_bits=2, n_boost=32, dtype=torch.bfloat16, seed=5, device=DEVICE)
     q = torch.randn(3, 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
     expected = decode_attention(q, kv, 128 ** -0.5, kernel=kernel)
     assert rel_err(expected, decode_attention_ref(q, kv, 128 ** -0.5)) < 1.5e-2
     assert rel_err(decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps), expected) < 1e-3
+
+
+def test_decode_attention_merged_in_one_step():
+    """merge_one_pass: the same attention as the merge in steps, up to the order of float sums (a ragged batch
+    whose parts take two default steps)."""
+    kv, _, _ = random_paged_kv([700, 90], heads=2, head_dim=128, sink=16, page_size=32, window=32, n_boost=32,
+                               dtype=torch.float16, seed=4, device=DEVICE)
+    q = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(4)).to(torch.float16).to(DEVICE)
+    sm_count = multiprocessors(q.device)
+    splits = merge_blocks(16, 128, sm_count)[0]                # (programs past a sequence's pages write empty parts)
+    parts = splits + rest_parts(kv)
+    assert merge_blocks(16, 128, sm_count)[0] < parts <= merge_blocks(16, 128, sm_count, parts)[0]
+    stepped = decode_attention(q, kv, 128 ** -0.5, num_splits=splits)
+    assert stepped.shape == q.shape and rel_err(stepped, decode_attention_ref(q, kv, 128 ** -0.5)) < 2e-3
+    assert rel_err(decode_attention(q, kv, 128 ** -0.5, num_splits=splits, merge_one_pass=True), stepped) < 1e-3
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -324,19 +321,18 @@ def test_decode_attention_before_the_first_page(kernel):
 def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     """Without a GPU: the Gluon kernel compiles for sm_90 (its operand layouts are checked to be register renamings
     when it is built: convert_layout(..., assert_trivial=True)); its page loop holds exactly the matrix products the
-    page needs, no spills in it with the compiler's registers (and at the default cap with the remaining blocks in
-    the launch), 16-byte cp.async copies of the codes, the shared memory that shared_bytes plans occupancy with."""
+    page needs, no spills in it with the compiler's registers and at the default cap, 16-byte cp.async copies of the codes, the shared memory that shared_bytes plans occupancy with."""
     code = textwrap.dedent("""
         import torch
         from kernels.decode_gluon import shared_bytes
         from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
-        for method, dtype, rest in (("kitty-pro", torch.bfloat16, False), ("kivi-k2v2", torch.float16, False),
-                                    ("kitty", torch.bfloat16, False), ("kitty-pro", torch.bfloat16, True)):
-            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=168 if rest else 255, rest=rest)
+        for method, dtype, maxnreg in (("kitty-pro", torch.bfloat16, 255), ("kivi-k2v2", torch.float16, 255),
+                                       ("kitty", torch.bfloat16, 255), ("kitty-pro", torch.bfloat16, 168)):
+            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=maxnreg)
             row = profile(compiled)
             wide = compiled.asm["ptx"].count("cp.async.cg.shared.global [")
             planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128)
-            print(method + ("-rest" if rest else ""), row["loop matrix"], row["loop local ld/st"], row["shared bytes"],
+            print(method + ("-168" if maxnreg < 255 else ""), row["loop matrix"], row["loop local ld/st"], row["shared bytes"],
                   planned, wide)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
@@ -351,8 +347,8 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     assert rows["kitty-pro"][0] == 4 * (16 + 4 + 16) + ones, run.stdout
     assert rows["kivi-k2v2"][0] == 4 * (16 + 16) + ones, run.stdout
     assert rows["kitty"][0] == 4 * (16 + 2 + 16) + ones, run.stdout
-    # with the remaining blocks in the launch (rest_in_gluon, at the default cap of 168): the same page loop
-    assert rows["kitty-pro-rest"][0] == rows["kitty-pro"][0], run.stdout
+    # at the default cap of 168 registers (decode_attention.GLUON_MAXNREG): the same page loop
+    assert rows["kitty-pro-168"][0] == rows["kitty-pro"][0], run.stdout
     for method, (matrix, spills, shared, planned, wide) in rows.items():
         assert spills == 0 and shared == planned, run.stdout
     # a page's key and value codes in 16-byte cp.async copies
@@ -371,16 +367,26 @@ def test_merge_blocks_split_channels_only_while_rows_are_few():
     assert merge_blocks(32, 128, 132) == (64, 32)                # batch 1 of Qwen3-8B: 4 programs per row
     assert merge_blocks(64 * 32, 128, 132) == (16, 128)          # batch 64: one program per row
     assert merge_blocks(6, 64, 1) == (32, 64) and merge_blocks(6, 64, 100) == (64, 32)
+    # in one step: batch 1 / 32K's 136 parts in 256 x 8 tiles; batch 64's 12 parts already are; at most 256 parts
+    assert merge_blocks(32, 128, 132, 136) == (256, 8) and merge_blocks(64 * 32, 128, 132, 12) == (16, 128)
+    assert merge_blocks(32, 128, 132, 1000) == (256, 8) and merge_blocks(32, 128, 132, 41) == (64, 32)
+
+
+def test_rest_warps_follow_the_launch_size():
+    assert rest_warps(8 * 9, 132) == 4 and rest_warps(132, 132) == 4       # batch 1 of Qwen3-8B's kitty-pro
+    assert rest_warps(8 * 8 * 9, 132) == 2 and rest_warps(133, 132) == 2
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("sm_count", [1, 1000])                 # whole rows per program; channel blocks of 32
-def test_merge_of_many_parts_is_the_log_sum_exp_merge(d, sm_count):
+@pytest.mark.parametrize("sm_count, one_pass", [(1, False), (1000, False), (1000, True)])
+def test_merge_of_many_parts_is_the_log_sum_exp_merge(d, sm_count, one_pass):
     """More parts than the merge reads per step, empty ones (m = -inf) among them, a whole step of empty parts first
-    and the largest maximum in a later step: the running rescale equals the one-shot merge."""
+    and the largest maximum in a later step: the running rescale equals the one-shot merge (whole rows per program,
+    channel blocks of 32, and all parts in one step: channel blocks of 8)."""
     gen = torch.Generator().manual_seed(d)
     bsz, hq, parts = 2, 3, 151
-    assert parts > 2 * merge_blocks(bsz * hq, d, sm_count)[0]               # the running rescale is exercised
+    block_s = merge_blocks(bsz * hq, d, sm_count, parts if one_pass else 0)[0]
+    assert block_s >= parts if one_pass else parts > 2 * block_s           # the running rescale is exercised
     part_o = torch.randn(bsz, hq, parts, d, generator=gen)
     part_m = torch.randn(bsz, hq, parts, generator=gen) * 4
     part_l = torch.rand(bsz, hq, parts, generator=gen) + 0.5
@@ -390,7 +396,7 @@ def test_merge_of_many_parts_is_the_log_sum_exp_merge(d, sm_count):
     w = torch.exp2(part_m - part_m.amax(-1, keepdim=True))
     want = (part_o * w[..., None]).sum(2) / (part_l * w).sum(-1, keepdim=True)
     out = torch.empty(bsz, hq, d, device=DEVICE)
-    got = merge_splits(*(t.to(DEVICE) for t in (part_o, part_m, part_l)), out, sm_count=sm_count)
+    got = merge_splits(*(t.to(DEVICE) for t in (part_o, part_m, part_l)), out, sm_count=sm_count, one_pass=one_pass)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
