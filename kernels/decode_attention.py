@@ -428,14 +428,15 @@ MERGE_TILE = 2048
 MERGE_WARPS = 2
 
 
-def merge_blocks(rows: int, d: int, sm_count: int, one_pass_parts: int = 0) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_DC) of the merge for `rows` (sequence, query head) rows of d channels. one_pass_parts: the
-    rows' parts, to be read in one step where channel blocks down to 8 allow it (batch 1 / 32K of Qwen3-8B: 136 parts
-    in 256 x 8 tiles, 16 programs a row, instead of three dependent steps of 64 x 32; 0: the measured default)."""
+def merge_blocks(rows: int, d: int, sm_count: int, num_parts: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_DC) of the merge for `rows` (sequence, query head) rows of d channels and num_parts parts.
+    Channel blocks shrink down to 8 until one step reads all parts (up to 256): batch 1 / 32K of Qwen3-8B has 136
+    parts, read as 256 x 8 tiles by 16 programs a row instead of three dependent steps of 64 x 32 (merge 2.3
+    against 3.1 us, no change at the other five shapes; BENCHMARKS.md section 1, session 13)."""
     block_dc = triton.next_power_of_2(d)
     while block_dc > 32 and rows * triton.cdiv(d, block_dc) < 4 * sm_count:
         block_dc //= 2
-    while block_dc > 8 and MERGE_TILE // block_dc < one_pass_parts:
+    while block_dc > 8 and MERGE_TILE // block_dc < num_parts:
         block_dc //= 2
     return MERGE_TILE // block_dc, block_dc
 
@@ -565,8 +566,7 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
-                     merge_one_pass: bool = False) -> torch.Tensor:
+                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches: the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers) and the merge of
     their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default: split_count);
@@ -574,10 +574,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned on the H200:
     MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). kernel: that kernel, "triton",
     "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto"
-    (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps).
-    merge_one_pass: the merge reads all of a row's parts in one step (merge_blocks; an experiment, not yet
-    measured). With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per
-    call."""
+    (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps). With a
+    workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
@@ -610,18 +608,18 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
         _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps, num_stages=num_stages,
                                                    **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-    return merge_splits(*parts, one_pass=merge_one_pass)
+    return merge_splits(*parts)
 
 
 def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,
-                 sm_count: int | None = None, one_pass: bool = False) -> torch.Tensor:
+                 sm_count: int | None = None) -> torch.Tensor:
     """out (B, HQ, D) = sum_p 2^(m_p - M) o_p / sum_p 2^(m_p - M) l_p over the parts p of each row (M: the rows'
     largest m; parts with m = -inf weigh nothing): the split programs' partials (B, HQ, P, D), (B, HQ, P) x 2.
-    sm_count: the multiprocessors the merge spreads over (default: the device's); one_pass: see merge_blocks."""
+    sm_count: the multiprocessors the merge spreads over (default: the device's)."""
     bsz, hq, num_parts, d = part_o.shape
     if sm_count is None:
         sm_count = multiprocessors(out.device)
-    block_s, block_dc = merge_blocks(bsz * hq, d, sm_count, num_parts if one_pass else 0)
+    block_s, block_dc = merge_blocks(bsz * hq, d, sm_count, num_parts)
     _merge_splits_kernel[(bsz * hq, triton.cdiv(d, block_dc))](part_o, part_m, part_l, out, num_parts, D=d,
                                                                BLOCK_S=block_s, BLOCK_DC=block_dc,
                                                                num_warps=MERGE_WARPS)

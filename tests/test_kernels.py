@@ -22,7 +22,7 @@ from backend.cache import KittyLayer
 from backend.methods import method_config
 from kernels.decode_attention import (KERNELS, MAGIC, DecodeWorkspace, decode_attention, decode_attention_ref,
                                       default_splits, field_weights, gather_kv, merge_blocks, merge_splits,
-                                      multiprocessors, split_count, unpack_asm)
+                                      split_count, unpack_asm)
 from kernels.decode_rest import rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
@@ -290,21 +290,6 @@ def test_remaining_blocks_warps(kernel, rest_warps):
     assert rel_err(decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps), expected) < 1e-3
 
 
-def test_decode_attention_merged_in_one_step():
-    """merge_one_pass: the same attention as the merge in steps, up to the order of float sums (a ragged batch
-    whose parts take two default steps)."""
-    kv, _, _ = random_paged_kv([700, 90], heads=2, head_dim=128, sink=16, page_size=32, window=32, n_boost=32,
-                               dtype=torch.float16, seed=4, device=DEVICE)
-    q = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(4)).to(torch.float16).to(DEVICE)
-    sm_count = multiprocessors(q.device)
-    splits = merge_blocks(16, 128, sm_count)[0]                # (programs past a sequence's pages write empty parts)
-    parts = splits + rest_parts(kv)
-    assert merge_blocks(16, 128, sm_count)[0] < parts <= merge_blocks(16, 128, sm_count, parts)[0]
-    stepped = decode_attention(q, kv, 128 ** -0.5, num_splits=splits)
-    assert stepped.shape == q.shape and rel_err(stepped, decode_attention_ref(q, kv, 128 ** -0.5)) < 2e-3
-    assert rel_err(decode_attention(q, kv, 128 ** -0.5, num_splits=splits, merge_one_pass=True), stepped) < 1e-3
-
-
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_decode_attention_before_the_first_page(kernel):
     """A cache's page tables have no column until its first page (backend/pages.py): every kernel choice reads
@@ -364,12 +349,11 @@ def test_default_splits_are_the_h200_sweeps_best():
 
 
 def test_merge_blocks_split_channels_only_while_rows_are_few():
-    assert merge_blocks(32, 128, 132) == (64, 32)                # batch 1 of Qwen3-8B: 4 programs per row
-    assert merge_blocks(64 * 32, 128, 132) == (16, 128)          # batch 64: one program per row
-    assert merge_blocks(6, 64, 1) == (32, 64) and merge_blocks(6, 64, 100) == (64, 32)
-    # in one step: batch 1 / 32K's 136 parts in 256 x 8 tiles; batch 64's 12 parts already are; at most 256 parts
-    assert merge_blocks(32, 128, 132, 136) == (256, 8) and merge_blocks(64 * 32, 128, 132, 12) == (16, 128)
-    assert merge_blocks(32, 128, 132, 1000) == (256, 8) and merge_blocks(32, 128, 132, 41) == (64, 32)
+    assert merge_blocks(64 * 32, 128, 132, 12) == (16, 128)      # batch 64 of Qwen3-8B: one program per row
+    assert merge_blocks(32, 128, 132, 41) == (64, 32)            # batch 1 / 4K: 4 programs per row, one step
+    assert merge_blocks(32, 128, 132, 136) == (256, 8)           # batch 1 / 32K: 16 programs per row, one step
+    assert merge_blocks(32, 128, 132, 1000) == (256, 8)          # at most 256 parts a step
+    assert merge_blocks(6, 64, 1, 20) == (32, 64) and merge_blocks(6, 64, 100, 20) == (64, 32)
 
 
 def test_rest_warps_follow_the_launch_size():
@@ -378,25 +362,26 @@ def test_rest_warps_follow_the_launch_size():
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("sm_count, one_pass", [(1, False), (1000, False), (1000, True)])
-def test_merge_of_many_parts_is_the_log_sum_exp_merge(d, sm_count, one_pass):
-    """More parts than the merge reads per step, empty ones (m = -inf) among them, a whole step of empty parts first
-    and the largest maximum in a later step: the running rescale equals the one-shot merge (whole rows per program,
-    channel blocks of 32, and all parts in one step: channel blocks of 8)."""
+@pytest.mark.parametrize("sm_count", [1, 1000])
+@pytest.mark.parametrize("parts", [151, 600])                   # one step; three steps of 256
+def test_merge_of_many_parts_is_the_log_sum_exp_merge(d, sm_count, parts):
+    """All parts in one step, or more parts than the merge reads per step, empty ones (m = -inf) among them, a whole
+    step of empty parts first and the largest maximum in a later step: the running rescale equals the one-shot
+    merge."""
     gen = torch.Generator().manual_seed(d)
-    bsz, hq, parts = 2, 3, 151
-    block_s = merge_blocks(bsz * hq, d, sm_count, parts if one_pass else 0)[0]
-    assert block_s >= parts if one_pass else parts > 2 * block_s           # the running rescale is exercised
+    bsz, hq = 2, 3
+    block_s = merge_blocks(bsz * hq, d, sm_count, parts)[0]
+    assert block_s >= parts if parts < 256 else parts > 2 * block_s       # the running rescale is exercised
     part_o = torch.randn(bsz, hq, parts, d, generator=gen)
     part_m = torch.randn(bsz, hq, parts, generator=gen) * 4
     part_l = torch.rand(bsz, hq, parts, generator=gen) + 0.5
-    part_m[:, :, :70] = float("-inf")
+    part_m[:, :, :parts // 2] = float("-inf")
     part_m[:, :, torch.randperm(parts, generator=gen)[:parts // 3]] = float("-inf")
     part_m[0, 1, -1] = 30.0                                            # one part dominates, in the last step
     w = torch.exp2(part_m - part_m.amax(-1, keepdim=True))
     want = (part_o * w[..., None]).sum(2) / (part_l * w).sum(-1, keepdim=True)
     out = torch.empty(bsz, hq, d, device=DEVICE)
-    got = merge_splits(*(t.to(DEVICE) for t in (part_o, part_m, part_l)), out, sm_count=sm_count, one_pass=one_pass)
+    got = merge_splits(*(t.to(DEVICE) for t in (part_o, part_m, part_l)), out, sm_count=sm_count)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
