@@ -54,7 +54,7 @@ import triton.testing
 
 # on a CPU: Triton interpreted
 from kernels.decode_attention import (GLUON_MAXNREG, KERNELS, MAXNREG, DecodeWorkspace,
-                                      decode_attention, default_splits, merge_splits, multiprocessors,
+                                      choose_kernel, decode_attention, default_splits, merge_splits, multiprocessors,
                                       resident_programs, split_count)
 from kernels.decode_rest import rest_blocks
 
@@ -224,8 +224,9 @@ def bench_attention(args) -> dict:
                     workspace = DecodeWorkspace()
                     decode_attention(q, kv, sm_scale, workspace=workspace, kernel=kernel)
                     merge_s = median_seconds(lambda: merge_splits(*workspace.buffers), args.quick)
-                    name = method if kernel == "triton" else f"{method}/{kernel}"
-                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, us=seconds * 1e6,
+                    name = method if kernel == "auto" else f"{method}/{kernel}"
+                    ran = choose_kernel(q, kv) if kernel == "auto" else kernel      # what "auto" took
+                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, ran=ran, us=seconds * 1e6,
                                      merge_us=merge_s * 1e6, gbs=bytes_read(layer) / seconds / 1e9,
                                      vs_sdpa=sdpa_s / seconds, max_err=err))
                 del layer, kv
@@ -825,8 +826,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--lengths", type=int, nargs="*")
     parser.add_argument("--methods", nargs="*")
-    parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=["triton"],
-                        help="attention: decode kernels over the paged blocks, each measured (gluon: GPU only)")
+    parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=["auto"],
+                        help="attention: decode kernels over the paged blocks, each measured (default: auto, the "
+                             "product's choice; gluon: GPU only)")
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--prompt", type=int, help="generate: prompt tokens; turn: the longest first turn")
     parser.add_argument("--new-tokens", type=int, help="generate: tokens to generate; turn: the next turn's tokens")

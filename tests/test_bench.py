@@ -39,6 +39,8 @@ def test_bench_quick_writes_results(tmp_path, kind, methods):
         row = rows[name]
         if kind == "attention":
             assert row["us"] > 0 and row["vs_sdpa"] > 0
+            # the product's own kernel choice by default, and the kernel it took (no Gluon without a GPU)
+            assert name == "sdpa-fp16" or (row["kernel"] == "auto" and row["ran"] == "triton")
         else:
             assert row["tokens_per_s"] > 0 and row["p50_ms"] > 0 and row["batch"] >= 1
             assert row["planned_batch"] == row["batch"] and row["oom_retries"] == 0     # no budget on a CPU
