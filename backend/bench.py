@@ -392,15 +392,30 @@ def decode_workspace_bytes(method: str, model, flush_spread: int = 1,
     return layers * part * wave / h, layers * (part * (remaining + 1) + hq * d * elem)
 
 
-def prefill_bytes_per_sequence(method: str, model, prompt: int, chunk: int | None) -> float:
+def static_keys_repeated() -> bool:
+    """Whether this transformers copies a static cache's keys and values to every query head in each forward:
+    5.17 (the H200's) does, for the prompt and every decode step (SDPA with a mask, repeat_kv); 5.23 reads them in
+    place (a causal prompt without a mask, decode steps with the query heads packed: pack_gqa)."""
+    from transformers.integrations import sdpa_attention
+    return not hasattr(sdpa_attention, "pack_gqa")
+
+
+def prefill_bytes_per_sequence(method: str, model, prompt: int, chunk: int | None, cache_tokens: int) -> float:
     """What one sequence needs beside its cache while its prompt goes through the model, `chunk` tokens per forward
-    (None: the whole prompt at once); the largest of the chunks is the last, whose cache holds prompt - chunk tokens."""
+    (None: the whole prompt at once); the largest of the chunks is the last, whose cache holds prompt - chunk tokens.
+    cache_tokens: the positions the cache is made for (a static cache's keys span all of them)."""
     cfg = model.config
     h, hq, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     elem = 2 if model.dtype != torch.float32 else 4
     n = min(chunk or prompt, prompt)                              # tokens of one forward
     # MLP activations (gate, up, product) and hidden states of one forward's tokens, the last token's float32 logits
     need = n * (3 * cfg.intermediate_size + 4 * cfg.hidden_size) * 2 + cfg.vocab_size * 8
+    if method == "hf-static" and static_keys_repeated():
+        # a static cache's keys are all cache_tokens positions: every forward has a mask (B, 1, n, cache_tokens),
+        # bool then additive, and SDPA with a mask takes repeat_kv's copies of all of them at the HQ heads, a layer
+        # at a time. Without this term the plan at 512 + 8,192 tokens was 46 sequences and ran out of memory on the
+        # H200; with it, 41, the batch that ran (BENCHMARKS.md section 2, session 13)
+        return need + n * cache_tokens * (1 + elem) + 2 * cache_tokens * hq * d * elem
     if n == prompt:                                               # one pass: no mask tensor (SDPA's is_causal)
         return need
     need += n * prompt                        # transformers' bool mask (B, 1, n, cached + n), built once per forward
@@ -538,7 +553,8 @@ def bench_generate(args) -> dict:
             ws_fixed, ws_per_seq = decode_workspace_bytes(method, model, args.flush_spread,
                                                           multiprocessors(torch.device("cuda")))
             per_seq = (kv_bytes_per_sequence(method, model, prompt + new_tokens, args.flush_spread)
-                       + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk) + ws_per_seq
+                       + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk, prompt + new_tokens)
+                       + ws_per_seq
                        + requantize_bytes_per_sequence(method, model, prompt + new_tokens))
             batch = max(1, int((budget - ws_fixed) / per_seq)) if not args.batch else args.batch
         else:
