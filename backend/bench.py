@@ -410,23 +410,26 @@ def prefill_bytes_per_sequence(method: str, model, prompt: int, chunk: int | Non
     n = min(chunk or prompt, prompt)                              # tokens of one forward
     # MLP activations (gate, up, product) and hidden states of one forward's tokens, the last token's float32 logits
     need = n * (3 * cfg.intermediate_size + 4 * cfg.hidden_size) * 2 + cfg.vocab_size * 8
+    if n < prompt:
+        need += n * prompt                    # transformers' bool mask (B, 1, n, cached + n), built once per forward
+        if method.startswith("hf-"):
+            # per layer: the cache's torch.cat of its keys and values, transformers' SDPA with a mask expanding them
+            # to the HQ query heads (repeat_kv) and the mask made additive in the model dtype
+            need += 2 * prompt * (h + hq) * d * elem + n * prompt * elem
+        else:
+            # per layer, KittyLayer._attend_chunk: dense keys and values of [cached | chunk] in the model dtype, the
+            # output (n, HQ, D) beside SDPA's; SDPA runs flash attention (lower-right causal, no mask, no scores)
+            need += 2 * prompt * h * d * elem + 2 * n * hq * d * elem
+    # (one pass: no mask tensor, SDPA's is_causal)
     if method == "hf-static" and static_keys_repeated():
-        # a static cache's keys are all cache_tokens positions: every forward has a mask (B, 1, n, cache_tokens),
-        # bool then additive, and SDPA with a mask takes repeat_kv's copies of all of them at the HQ heads, a layer
-        # at a time. Without this term the plan at 512 + 8,192 tokens was 46 sequences and ran out of memory on the
-        # H200; with it, 41, the batch that ran (BENCHMARKS.md section 2, session 13)
-        return need + n * cache_tokens * (1 + elem) + 2 * cache_tokens * hq * d * elem
-    if n == prompt:                                               # one pass: no mask tensor (SDPA's is_causal)
-        return need
-    need += n * prompt                        # transformers' bool mask (B, 1, n, cached + n), built once per forward
-    if method.startswith("hf-"):
-        # per layer: the cache's torch.cat of its keys and values, transformers' SDPA with a mask expanding them to
-        # the HQ query heads (repeat_kv) and the mask made additive in the model dtype
-        need += 2 * prompt * (h + hq) * d * elem + n * prompt * elem
-    else:
-        # per layer, KittyLayer._attend_chunk: dense keys and values of [cached | chunk] in the model dtype, the
-        # output (n, HQ, D) beside SDPA's; SDPA runs flash attention (lower-right causal, no mask, no score tensor)
-        need += 2 * prompt * h * d * elem + 2 * n * hq * d * elem
+        # a static cache's keys are all cache_tokens positions, so a one-pass prompt has a mask (B, 1, n,
+        # cache_tokens), bool then additive, and it and every decode step take repeat_kv's copies of all of them at
+        # the HQ heads, a layer at a time, while the MLP's activations are not live. At 512 + 8,192 tokens the plan
+        # without this was 46 sequences and ran out of memory on the H200; 41 ran, with a decode peak of 75.0 GB:
+        # weights and 41 times a cache and one such copy make 74.9 (BENCHMARKS.md section 2, session 13)
+        copy = 2 * cache_tokens * hq * d * elem
+        prompt_pass = n * 4 * cfg.hidden_size * 2 + cfg.vocab_size * 8 + n * cache_tokens * (1 + elem) + copy
+        need = max(need, copy if n < prompt else prompt_pass)
     return need
 
 
