@@ -388,13 +388,24 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, CK, CV, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, S: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr):
+        V_BITS: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """Program (b, h, part): the paged slots of sequence b, KV head h (_paged_program). It takes decode_rest's
-    argument list (cache_arguments), of which it reads the paged planes, tables and page counts."""
+    argument list (cache_arguments), of which it reads the paged planes, tables and page counts. WAIT_PRIOR:
+    launched while the remaining blocks' kernel runs (programmatic dependent launch: decode_attention's
+    overlap_rest), so before it ends it waits for that grid, whose partials the merge after it reads."""
     _paged_program(q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr,
                    vzero_ptr, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, po_ptr, pm_ptr, pl_ptr, qk_scale,
                    gl.program_id(0), gl.program_id(1), gl.program_id(2), KMP, VMP, NSPLIT, NPART, H, GROUP, D, G, NB,
                    V_BITS)
+    if WAIT_PRIOR:
+        _wait_prior_grid()
+
+
+@gluon.jit
+def _wait_prior_grid():
+    """griddepcontrol.wait: until the grid this one was launched beside has finished and its writes are visible
+    (a no-op without programmatic dependent launch)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -509,16 +520,20 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, by_shared))
 
 
-def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
+def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
+                     wait_prior: bool = False) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
-    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials.
-    Also used to compile the kernel for a profile (kernels.sass_profile)."""
+    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
+    wait_prior its WAIT_PRIOR. Also used to compile the kernel for a profile (kernels.sass_profile)."""
     args = (*cache_arguments(q, kv, qk_scale, parts), num_splits, parts[1].shape[2])
-    return args, cache_constants(q, kv)
+    return args, dict(cache_constants(q, kv), WAIT_PRIOR=wait_prior)
 
 
-def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int) -> None:
-    """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits)
+def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
+           overlap: bool = False) -> None:
+    """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); overlap:
+    with programmatic dependent launch beside the remaining blocks' kernel launched just before it with PDL."""
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, overlap)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
-        *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
+        *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}),
+        **({"launch_pdl": True} if overlap else {}))
