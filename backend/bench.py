@@ -59,7 +59,7 @@ from kernels.decode_attention import (GLUON_MAXNREG, KERNELS, MAXNREG, DecodeWor
 from kernels.decode_rest import rest_blocks
 
 from . import memory
-from .cache import FLUSH_MODES, KittyLayer
+from .cache import FLUSH_MODES, KittyLayer, auto_flush_spread
 from .graphs import CudaGraphDecoding
 from .methods import method_config
 
@@ -552,21 +552,27 @@ def bench_generate(args) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * 1e9 / total))
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         budget = args.budget_gb * 1e9 - weights - 2e9
+    def plan(method, spread):
+        """The largest batch whose caches, transients and decode workspace fit the budget."""
+        ws_fixed, ws_per_seq = decode_workspace_bytes(method, model, spread, multiprocessors(torch.device("cuda")))
+        per_seq = (kv_bytes_per_sequence(method, model, prompt + new_tokens, spread)
+                   + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk, prompt + new_tokens)
+                   + ws_per_seq + requantize_bytes_per_sequence(method, model, prompt + new_tokens))
+        return max(1, int((budget - ws_fixed) / per_seq))
+
     for method in methods:
         # Kitty caches replay their decode steps as CUDA graphs on a GPU unless --eager; transformers' caches run
         # as generate runs them (eager, disable_compile)
         graphed = torch.cuda.is_available() and not args.eager and not method.startswith("hf-") \
             and method_config(method).k_bits < 16 and method_config(method).v_bits < 16
-        if torch.cuda.is_available():
-            ws_fixed, ws_per_seq = decode_workspace_bytes(method, model, args.flush_spread,
-                                                          multiprocessors(torch.device("cuda")))
-            per_seq = (kv_bytes_per_sequence(method, model, prompt + new_tokens, args.flush_spread)
-                       + prefill_bytes_per_sequence(method, model, prompt, args.prefill_chunk, prompt + new_tokens)
-                       + ws_per_seq
-                       + requantize_bytes_per_sequence(method, model, prompt + new_tokens))
-            batch = max(1, int((budget - ws_fixed) / per_seq)) if not args.batch else args.batch
-        else:
-            batch = args.batch or 2
+        # --flush-spread auto: the spread of the planned batch (auto_flush_spread), and the plan again with the
+        # room its waiting tokens take
+        spread = 1 if args.flush_spread == "auto" else args.flush_spread
+        batch = args.batch or (plan(method, spread) if torch.cuda.is_available() else 2)
+        if args.flush_spread == "auto":
+            spread = auto_flush_spread(batch)
+            if torch.cuda.is_available() and not args.batch:
+                batch = plan(method, spread)
         planned = batch
         row = dict(method=method, batch=batch, prefill_chunk=args.prefill_chunk, error="out of memory")
         for attempt in range(4):                      # the layout's estimate, confirmed by really running it
@@ -577,12 +583,13 @@ def bench_generate(args) -> dict:
                     # it left a 2.7 s compile in a timed page-boundary step, BENCHMARKS.md section 2)
                     warm_tokens = method_config(method).page_size + 1 if torch.cuda.is_available() \
                         and not method.startswith("hf-") else 4
-                    run_generate(model, method, 1, prompt, warm_tokens, args.flush_spread, args.prefill_chunk,
+                    run_generate(model, method, 1, prompt, warm_tokens, spread, args.prefill_chunk,
                                  cuda_graphs=graphed, flush=args.flush)
                 if args.sample_contexts:
-                    row = sampled_generate(model, method, batch, prompt, new_tokens, args, graphed)
+                    row = sampled_generate(model, method, batch, prompt, new_tokens,
+                                           argparse.Namespace(**{**vars(args), "flush_spread": spread}), graphed)
                 else:
-                    row = run_generate(model, method, batch, prompt, new_tokens, args.flush_spread,
+                    row = run_generate(model, method, batch, prompt, new_tokens, spread,
                                        args.prefill_chunk, graphed, args.flush)
                 # how true the plan was: the batch it predicted and how many smaller tries it took
                 row.update(planned_batch=planned, oom_retries=attempt)
@@ -864,8 +871,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="turn: profile one more forward per method (torch.profiler) and print its costliest "
                              "operations")
-    parser.add_argument("--flush-spread", type=int, default=1,
-                        help="generate: quantize a batch's full buffers over this many steps (1: paper schedule)")
+    parser.add_argument("--flush-spread", type=lambda v: v if v == "auto" else int(v), default=1,
+                        help="generate: quantize a batch's full buffers over this many steps (1: paper schedule; "
+                             "auto: by batch size, backend.cache.auto_flush_spread)")
     parser.add_argument("--flush", choices=FLUSH_MODES, default="auto",
                         help="generate: how Kitty caches turn full buffers into pages at a page boundary ('fused': "
                              "one Triton kernel per kind, kernels/flush.py; 'auto': fused on a GPU)")

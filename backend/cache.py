@@ -35,6 +35,17 @@ from .pages import DeviceIndices, PagePool, PageTable, ragged_ranges
 # How a decode step's full buffers become pages (KittyLayer's `flush`)
 FLUSH_MODES = ("auto", "torch", "fused")
 
+# flush_spread="auto": at most this many sequences' pages a decode step. Measured on the H200 at a 512-token prompt
+# (BENCHMARKS.md section 2, session 7): batch 192 with flush_spread 8 (24 a step) made page-boundary steps 1.11x the
+# median step, within the 15 % bar, against 1.68x with all 192 at once.
+FLUSH_SEQUENCES_PER_STEP = 24
+
+
+def auto_flush_spread(batch: int) -> int:
+    """flush_spread="auto" for a batch: the fewest steps that make at most FLUSH_SEQUENCES_PER_STEP sequences'
+    pages each (1, the paper's schedule, up to 24 sequences)."""
+    return max(1, -(-batch // FLUSH_SEQUENCES_PER_STEP))
+
 # The PyTorch reference path of a further chunk dequantizes its cache's pages this many elements at a time (256 MB
 # in bf16), so its transient on top of the dense keys / values stays bounded (the Triton path has none: it writes
 # the pages straight into the dense tensor)
@@ -49,11 +60,13 @@ class KittyLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, config: CacheConfig, layer_idx: int = 0, use_triton: bool | None = None,
-                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
+                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int | str = 1,
                  flush: str = "auto", shared_indices: dict | None = None, decode_kernel: str = "auto"):
         super().__init__()
-        if isinstance(flush_spread, bool) or not isinstance(flush_spread, int) or flush_spread < 1:
-            raise ValueError(f"flush_spread={flush_spread!r} must be a positive integer (1: the paper's schedule)")
+        if flush_spread != "auto" and (isinstance(flush_spread, bool) or not isinstance(flush_spread, int)
+                                       or flush_spread < 1):
+            raise ValueError(f"flush_spread={flush_spread!r} must be a positive integer (1: the paper's schedule) or "
+                             "'auto' (by batch size: auto_flush_spread)")
         if flush not in FLUSH_MODES:
             raise ValueError(f"flush={flush!r} must be one of {FLUSH_MODES}: 'torch' quantizes a decode step's full "
                              "buffers with separate torch ops, 'fused' with one Triton kernel per kind, 'auto' "
@@ -66,6 +79,7 @@ class KittyLayer(CacheLayerMixin):
         self.use_triton = use_triton            # None: Triton for CUDA tensors, the PyTorch reference otherwise
         self.record_magnitudes = record_magnitudes
         self.reserve_tokens = reserve_tokens    # page storage to set aside per sequence (no reallocation later)
+        self.spread_setting = flush_spread      # what was asked: steps, or "auto" (set per batch at initialization)
         self.flush_spread = flush_spread        # decode steps over which a batch's full buffers become pages
         self.flush = flush                      # how a decode step's full buffers become pages (FLUSH_MODES)
         self.decode_kernel = decode_kernel      # decode_attention's kernel over the pages (KERNELS)
@@ -87,6 +101,8 @@ class KittyLayer(CacheLayerMixin):
         # own half type, or FP16 for a float32 model (a CPU run), cast on read.
         self.store_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else FP_DTYPE
         self.batch, self.heads, self.head_dim = bsz, heads, dim
+        if self.spread_setting == "auto":
+            self.flush_spread = auto_flush_spread(bsz)
         self.lengths = np.zeros(bsz, dtype=np.int64)            # host copy of seq_len: decisions without a sync
         self.seq_len = torch.zeros(bsz, dtype=torch.int32, device=self.device)
         s, g, r = cfg.sink, cfg.page_size, cfg.local_window
@@ -665,7 +681,7 @@ class KittyCache(Cache):
     Sliding-window layers (hybrid models) keep transformers' own full-precision sliding cache; stats() says so."""
 
     def __init__(self, config: CacheConfig, model_config, use_triton: bool | None = None,
-                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int = 1,
+                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int | str = 1,
                  flush: str = "auto", decode_kernel: str = "auto"):
         text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         layers, shared_indices = [], {}

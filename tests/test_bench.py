@@ -133,6 +133,24 @@ def test_generate_warms_up_with_the_runs_page_settings(tmp_path, monkeypatch):
     assert calls == [(1, 3, 16, "fused"), (3, 3, 16, "fused")]
 
 
+def test_generate_with_flush_spread_auto_takes_the_batchs_spread(tmp_path, monkeypatch):
+    """`--flush-spread auto`: the warm-up and the timed run take auto_flush_spread of the batch (30 sequences: 2
+    steps of at most 24), and the row says so."""
+    from backend import bench
+    calls, real = [], bench.run_generate
+
+    def recorded(model, method, batch, prompt, new_tokens, flush_spread=1, *rest, **kwargs):
+        calls.append((batch, flush_spread))
+        return real(model, method, batch, prompt, new_tokens, flush_spread, *rest, **kwargs)
+
+    monkeypatch.setattr(bench, "run_generate", recorded)
+    out = tmp_path / "generate.json"
+    assert bench.main(["generate", "--quick", "--methods", "kitty-pro", "--batch", "30", "--flush-spread", "auto",
+                       "--prompt", "40", "--new-tokens", "4", "--out", str(out)]) == 0
+    assert calls == [(1, 2), (30, 2)]
+    assert json.loads(out.read_text())["rows"][0]["flush_spread"] == 2
+
+
 def test_sampled_generation_integrates_the_measured_step_times(monkeypatch):
     """`generate --sample-contexts N`: runs of a few steps at N contexts from the prompt to the last token, each with
     the batch and a cache made for the whole generation; the decode time is the median step times integrated over
