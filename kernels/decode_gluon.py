@@ -37,7 +37,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .decode_rest import cache_arguments, cache_constants
 from .layout import PagedKV
 
 HEADS_PER_TILE = 8          # the matrix instruction's columns: a KV group of up to 8 query heads
@@ -380,27 +379,6 @@ def _queries_shared():
 _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
-@gluon.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NSPLIT", "NPART"])
-def _gluon_paged_kernel(
-        q_ptr, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
-        vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
-        ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr,
-        po_ptr, pm_ptr, pl_ptr,
-        qk_scale, CK, CV, KMP, VMP, NSPLIT, NPART,
-        H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, S: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, WAIT_PRIOR: gl.constexpr):
-    """Program (b, h, part): the paged slots of sequence b, KV head h (_paged_program). It takes decode_rest's
-    argument list (cache_arguments), of which it reads the paged planes, tables and page counts. WAIT_PRIOR:
-    launched while the remaining blocks' kernel runs (programmatic dependent launch: decode_attention's
-    overlap_rest), so before it ends it waits for that grid, whose partials the merge after it reads."""
-    _paged_program(q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr,
-                   vzero_ptr, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, po_ptr, pm_ptr, pl_ptr, qk_scale,
-                   gl.program_id(0), gl.program_id(1), gl.program_id(2), KMP, VMP, NSPLIT, NPART, H, GROUP, D, G, NB,
-                   V_BITS)
-    if WAIT_PRIOR:
-        _wait_prior_grid()
-
-
 @gluon.jit
 def _wait_prior_grid():
     """griddepcontrol.wait: until the grid this one was launched beside has finished and its writes are visible
@@ -408,13 +386,22 @@ def _wait_prior_grid():
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
-@gluon.jit
-def _paged_program(q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr,
-                   vzero_ptr, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, po_ptr, pm_ptr, pl_ptr, qk_scale, b, h, part,
-                   KMP, VMP, NSPLIT, NPART, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
-                   NB: gl.constexpr, V_BITS: gl.constexpr):
-    """The paged slots [start, end) of sequence b, KV head h (the Triton kernel's _program_slots split), written as
-    partial (output, max, sum) number `part`."""
+@gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART"])
+def _gluon_paged_kernel(
+        q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
+        vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
+        ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr,
+        po_ptr, pm_ptr, pl_ptr,
+        qk_scale, KMP, VMP, NSPLIT, NPART,
+        H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
+        V_BITS: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+    """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
+    _program_slots split), written as partial (output, max, sum) number `part`. WAIT_PRIOR: launched while the
+    remaining blocks' kernel runs (programmatic dependent launch: decode_attention's overlap_rest), so before it
+    ends it waits for that grid, whose partials the merge after it reads."""
+    b = gl.program_id(0)
+    h = gl.program_id(1)
+    part = gl.program_id(2)
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
@@ -493,6 +480,8 @@ def _paged_program(q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, v
     gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
     gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
+    if WAIT_PRIOR:
+        _wait_prior_grid()
 
 
 SHARED_PER_SM = 228 * 1024          # H100 / H200: shared memory of a multiprocessor, and what each program reserves
@@ -525,8 +514,14 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
     wait_prior its WAIT_PRIOR. Also used to compile the kernel for a profile (kernels.sass_profile)."""
-    args = (*cache_arguments(q, kv, qk_scale, parts), num_splits, parts[1].shape[2])
-    return args, dict(cache_constants(q, kv), WAIT_PRIOR=wait_prior)
+    part_o, part_m, part_l = parts
+    hq, d = q.shape[1:]
+    h = kv.k_fp.shape[1]
+    args = (q, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high, kv.v_scale, kv.v_zero,
+            kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l, qk_scale,
+            kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
+    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, WAIT_PRIOR=wait_prior)
+    return args, constants
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,

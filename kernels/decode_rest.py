@@ -168,26 +168,15 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
     products' operand type and input precision, decode_attention's; pdl: _rest_kernel's PDL).
     Also used to compile the kernel for a profile (kernels.sass_profile)."""
     hq, d = q.shape[1:]
-    args = (*cache_arguments(q, kv, qk_scale, parts), parts[1].shape[2], first_part)
-    constants = dict(cache_constants(q, kv), DOT=dot, PREC=prec, T=rest_block_tokens(kv.page_size),
-                     BLOCK_M=max(16, triton.next_power_of_2(hq // kv.k_fp.shape[1])), BLOCK_D=triton.next_power_of_2(d),
-                     BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)), PDL=pdl)
-    return args, constants
-
-
-def cache_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts) -> tuple:
-    """The run-time arguments that _rest_kernel and decode_gluon's kernel share, in their order: queries, every plane of the cache, its tables and lengths, the (output, max,
-    sum) partials, qk_scale and the buffers' and tables' widths."""
-    return (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high,
-            kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages, kv.n_vpages, *parts, qk_scale,
-            kv.k_fp.shape[2], kv.v_fp.shape[2], kv.k_table.shape[1], kv.v_table.shape[1])
-
-
-def cache_constants(q: torch.Tensor, kv: PagedKV) -> dict:
-    """The compile-time constants of the cache's shape and method, shared as cache_arguments."""
     h = kv.k_fp.shape[1]
-    return dict(H=h, GROUP=q.shape[1] // h, D=q.shape[2], S=kv.sink, G=kv.page_size, NB=kv.n_boost,
-                V_BITS=kv.v_bits)
+    args = (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high,
+            kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages, kv.n_vpages, *parts, qk_scale,
+            kv.k_fp.shape[2], kv.v_fp.shape[2], kv.k_table.shape[1], kv.v_table.shape[1], parts[1].shape[2],
+            first_part)
+    constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
+                     PREC=prec, T=rest_block_tokens(kv.page_size), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
+                     BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)), PDL=pdl)
+    return args, constants
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
