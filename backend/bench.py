@@ -415,7 +415,7 @@ def prefill_bytes_per_sequence(method: str, model, prompt: int, chunk: int | Non
     n = min(chunk or prompt, prompt)                              # tokens of one forward
     # MLP activations (gate, up, product) and hidden states of one forward's tokens, the last token's float32 logits
     need = n * (3 * cfg.intermediate_size + 4 * cfg.hidden_size) * 2 + cfg.vocab_size * 8
-    if n < prompt:
+    if n < prompt:                                                # chunks (one pass: no mask, SDPA's is_causal)
         need += n * prompt                    # transformers' bool mask (B, 1, n, cached + n), built once per forward
         if method.startswith("hf-"):
             # per layer: the cache's torch.cat of its keys and values, transformers' SDPA with a mask expanding them
@@ -425,7 +425,6 @@ def prefill_bytes_per_sequence(method: str, model, prompt: int, chunk: int | Non
             # per layer, KittyLayer._attend_chunk: dense keys and values of [cached | chunk] in the model dtype, the
             # output (n, HQ, D) beside SDPA's; SDPA runs flash attention (lower-right causal, no mask, no scores)
             need += 2 * prompt * h * d * elem + 2 * n * hq * d * elem
-    # (one pass: no mask tensor, SDPA's is_causal)
     if method == "hf-static" and static_keys_repeated():
         # a static cache's keys are all cache_tokens positions, so a one-pass prompt has a mask (B, 1, n,
         # cache_tokens), bool then additive, and it and every decode step take repeat_kv's copies of all of them at
@@ -552,6 +551,7 @@ def bench_generate(args) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * 1e9 / total))
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         budget = args.budget_gb * 1e9 - weights - 2e9
+
     def plan(method, spread):
         """The largest batch whose caches, transients and decode workspace fit the budget."""
         ws_fixed, ws_per_seq = decode_workspace_bytes(method, model, spread, multiprocessors(torch.device("cuda")))
@@ -586,8 +586,7 @@ def bench_generate(args) -> dict:
                     run_generate(model, method, 1, prompt, warm_tokens, spread, args.prefill_chunk,
                                  cuda_graphs=graphed, flush=args.flush)
                 if args.sample_contexts:
-                    row = sampled_generate(model, method, batch, prompt, new_tokens,
-                                           argparse.Namespace(**{**vars(args), "flush_spread": spread}), graphed)
+                    row = sampled_generate(model, method, batch, prompt, new_tokens, args, graphed, spread)
                 else:
                     row = run_generate(model, method, batch, prompt, new_tokens, spread,
                                        args.prefill_chunk, graphed, args.flush)
@@ -609,7 +608,7 @@ def bench_generate(args) -> dict:
             "model": "Qwen3-8B shape, random weights", "rows": rows, "env": environment()}
 
 
-def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed) -> dict:
+def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed, flush_spread=1) -> dict:
     """A generation too long to run whole (HF caches at 512 + 8,192 tokens need more than a 10-minute device
     call), estimated from measured pieces: `--sample-contexts N` runs of `--sample-steps` decode steps each, at N
     contexts from the prompt to the last token, the batch and the cache made for the whole generation (so memory
@@ -630,7 +629,7 @@ def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed) ->
             capped = args.budget_gb * 1e9 / torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(1.0)
         try:
-            run = run_generate(model, method, batch, prompt, steps, args.flush_spread, args.prefill_chunk, graphed,
+            run = run_generate(model, method, batch, prompt, steps, flush_spread, args.prefill_chunk, graphed,
                                args.flush, cache_tokens=prompt + new_tokens, cached=int(context) - prompt)
         finally:
             if lift:
@@ -648,7 +647,8 @@ def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed) ->
                 tokens_per_s=batch * new_tokens / (ttft_s + decode_s),
                 decode_tokens_per_s=batch * (new_tokens - 1) / decode_s, ttft_ms=ttft_s * 1e3,
                 p50_ms=float(np.median(medians)),
-                peak_gb=max([samples[0]["prefill_peak_gb"] or 0] + [x["decode_peak_gb"] or 0 for x in samples]) or None)
+                peak_gb=max([samples[0]["prefill_peak_gb"] or 0] + [x["decode_peak_gb"] or 0 for x in samples])
+                or None)
 
 
 def ragged_prompt(batch: int, prompt: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -168,7 +168,7 @@ def test_sampled_generation_integrates_the_measured_step_times(monkeypatch):
         return dict(p50_ms=2.0 + 0.01 * (context + 7.5), ttft_ms=500.0, prefill_peak_gb=None, decode_peak_gb=None)
 
     monkeypatch.setattr(bench, "run_generate", timed)
-    args = argparse.Namespace(sample_contexts=5, sample_steps=16, flush_spread=1, prefill_chunk=None, flush="auto")
+    args = argparse.Namespace(sample_contexts=5, sample_steps=16, prefill_chunk=None, flush="auto")
     row = bench.sampled_generate(None, "hf-dynamic", 8, 512, 8192, args, graphed=False)
     assert calls == [(8, 512, 16, 512 + 8192, c - 512) for c in (512, 2556, 4600, 6644, 8688)]
     decode_s = sum(2.0 + 0.01 * c for c in range(512, 512 + 8191)) / 1e3

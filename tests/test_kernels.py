@@ -306,7 +306,8 @@ def test_decode_attention_before_the_first_page(kernel):
 def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     """Without a GPU: the Gluon kernel compiles for sm_90 (its operand layouts are checked to be register renamings
     when it is built: convert_layout(..., assert_trivial=True)); its page loop holds exactly the matrix products the
-    page needs, no spills in it with the compiler's registers and at the default cap, 16-byte cp.async copies of the codes, the shared memory that shared_bytes plans occupancy with."""
+    page needs, no spills in it with the compiler's registers and at the default cap, 16-byte cp.async copies of
+    the codes, the shared memory that shared_bytes plans occupancy with."""
     code = textwrap.dedent("""
         import torch
         from kernels.decode_gluon import shared_bytes
@@ -317,8 +318,8 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
             row = profile(compiled)
             wide = compiled.asm["ptx"].count("cp.async.cg.shared.global [")
             planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128)
-            print(method + ("-168" if maxnreg < 255 else ""), row["loop matrix"], row["loop local ld/st"], row["shared bytes"],
-                  planned, wide)
+            print(method + ("-168" if maxnreg < 255 else ""), row["loop matrix"], row["loop local ld/st"],
+                  row["shared bytes"], planned, wide)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
