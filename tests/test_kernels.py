@@ -276,7 +276,8 @@ def test_gluon_decode_attention_matches_reference(case):
             f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
 
 
-@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(),
+                    reason="warps a program only exist on a GPU (the interpreter runs none), and Gluon needs one")
 @pytest.mark.parametrize("kernel", ["triton", "gluon"])
 @pytest.mark.parametrize("rest_warps", [1, 2, 4])
 def test_remaining_blocks_warps(kernel, rest_warps):
