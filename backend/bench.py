@@ -247,7 +247,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "rest", "overlap")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "rest")
 
 
 def bench_tune(args) -> dict:
@@ -275,8 +275,7 @@ def bench_tune(args) -> dict:
             # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None,
-                        overlap_rest=False)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None)
 
             def gluon(maxnreg, quarters=4):
                 """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
@@ -296,18 +295,14 @@ def bench_tune(args) -> dict:
                       # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
                       # (None: decode_rest.rest_warps, by the launch's programs)
                       "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
-                               for w in (1, 2, 4)],
-                      # the paged kernel launched beside the remaining blocks' (programmatic dependent launch)
-                      "overlap": [{**setting, "overlap_rest": on} for setting in (base, gluon(GLUON_MAXNREG))
-                                  for on in (False, True)]}
+                               for w in (1, 2, 4)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
-                                               rest_warps=setting["rest_warps"],
-                                               overlap_rest=setting["overlap_rest"])
+                                               rest_warps=setting["rest_warps"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,

@@ -33,7 +33,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from .decode_rest import launch_rest, rest_parts, rest_warps as default_rest_warps
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
@@ -338,9 +337,9 @@ def _decode_split_kernel(
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
-        BLOCK_NB: tl.constexpr, WAIT_PRIOR: tl.constexpr = False):
+        BLOCK_NB: tl.constexpr):
     """Program (b, h, part < NSPLIT): the paged slots of sequence b, KV head h that _program_slots gives it, written
-    as partial (output, max, sum) number `part`. WAIT_PRIOR: as decode_gluon's (decode_attention's overlap_rest)."""
+    as partial (output, max, sum) number `part`."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
@@ -390,8 +389,6 @@ def _decode_split_kernel(
         tl.store(out + D4, acc1 + zrow, mask=omask)
         tl.store(out + 2 * D4, acc2 + zrow, mask=omask)
         tl.store(out + 3 * D4, acc3 + zrow, mask=omask)
-    if WAIT_PRIOR:
-        gdc_wait()
 
 
 @triton.jit(do_not_specialize=["NPART"])
@@ -569,8 +566,7 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
-                     overlap_rest: bool = False) -> torch.Tensor:
+                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches: the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers) and the merge of
     their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default: split_count);
@@ -578,12 +574,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned on the H200:
     MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). kernel: that kernel, "triton",
     "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto"
-    (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps).
-    overlap_rest: the paged slots' kernel is launched with programmatic dependent launch (Hopper and later; ignored
-    elsewhere), so that its programs start beside the remaining blocks' instead of after them, and it waits for
-    them only before it ends (an experiment, not yet measured: at batch 1 the remaining blocks' 72 programs take
-    3.8 us while the paged kernel leaves a third of the GPU's program slots empty). With a workspace, its buffers
-    are reused (see DecodeWorkspace); without, they are allocated per call."""
+    (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps). With a
+    workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
@@ -605,26 +597,19 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     qk_scale = sm_scale * math.log2(math.e)
     # the remaining blocks first: at batch 1 they are as long as the paged slots' programs of a 4K-token sequence.
     # (On a second stream, concurrent with the paged slots' kernel, they were 1-3 us faster at three of six shapes
-    # and as much slower at the other three; in the Gluon kernel's launch, as its own programs, slower at all six:
-    # BENCHMARKS.md section 1, sessions 12 and 13.)
+    # and as much slower at the other three; in the Gluon kernel's launch, as its own programs, slower at all six;
+    # with the paged kernel started beside them by programmatic dependent launch, 2 us slower at batch 1 / 32K and
+    # no faster than noise at batch 64: BENCHMARKS.md section 1, sessions 12 to 14.)
     dot = dot_dtype(q.dtype)
-    overlap = overlap_rest and pdl_supported(q.device)
-    launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl=overlap)
+    launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps)
     if kernel == "gluon":
         from . import decode_gluon
-        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, overlap)
+        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg)
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
         _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps, num_stages=num_stages,
-                                                   **({"maxnreg": maxnreg} if maxnreg < 255 else {}),
-                                                   **({"WAIT_PRIOR": True, "launch_pdl": True} if overlap else {}))
+                                                   **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     return merge_splits(*parts)
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: compiled Triton on a Hopper or later GPU (the interpreter has no
-    griddepcontrol)."""
-    return device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,

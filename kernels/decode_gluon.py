@@ -42,6 +42,9 @@ from .layout import PagedKV
 HEADS_PER_TILE = 8          # the matrix instruction's columns: a KV group of up to 8 query heads
 # a word of 4 code bytes -> itself and itself >> 8: 16-bit halves led by bytes 0 / 2 and 1 / 3, whose low bytes
 # QUARTER_ASM takes fields from (so its operands pair bytes (0, 2) and (1, 3), which _b_operand matches)
+# (The shift as the high word of a product by 2^24, IMAD.HI on the multiply-add pipe instead of SHF.R on the integer
+# pipe that also runs the unpacking's ANDs, was slower or no faster at all six shapes: BENCHMARKS.md section 1,
+# session 14.)
 SPREAD = gl.constexpr("mov.b32 $0, $2; shr.b32 $1, $2, 8;")
 
 # 2-bit fields -> fp16 operands: field i of a byte (bits 2i) left in place, every other bit cleared, is the fp16 bit
@@ -246,7 +249,9 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
     (p * scale) (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t:
     (16 * warps, HEADS) tiles, every row the sum). Returns the new running max, l_t, z_t and the 4 channel quarters'
-    accumulators (channel quarter i times 4^i * 2^-24)."""
+    accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the
+    pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200
+    (BENCHMARKS.md section 1, session 14)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -379,13 +384,6 @@ def _queries_shared():
 _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
-@gluon.jit
-def _wait_prior_grid():
-    """griddepcontrol.wait: until the grid this one was launched beside has finished and its writes are visible
-    (a no-op without programmatic dependent launch)."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
 @gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART"])
 def _gluon_paged_kernel(
         q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
@@ -394,11 +392,9 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+        V_BITS: gl.constexpr):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
-    _program_slots split), written as partial (output, max, sum) number `part`. WAIT_PRIOR: launched while the
-    remaining blocks' kernel runs (programmatic dependent launch: decode_attention's overlap_rest), so before it
-    ends it waits for that grid, whose partials the merge after it reads."""
+    _program_slots split), written as partial (output, max, sum) number `part`."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     part = gl.program_id(2)
@@ -480,8 +476,6 @@ def _gluon_paged_kernel(
     gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
     gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
-    if WAIT_PRIOR:
-        _wait_prior_grid()
 
 
 SHARED_PER_SM = 228 * 1024          # H100 / H200: shared memory of a multiprocessor, and what each program reserves
@@ -509,26 +503,22 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, by_shared))
 
 
-def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
-                     wait_prior: bool = False) -> tuple[tuple, dict]:
+def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
-    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    wait_prior its WAIT_PRIOR. Also used to compile the kernel for a profile (kernels.sass_profile)."""
+    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials.
+    Also used to compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
     args = (q, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high, kv.v_scale, kv.v_zero,
             kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l, qk_scale,
             kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
-    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, WAIT_PRIOR=wait_prior)
+    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits)
     return args, constants
 
 
-def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           overlap: bool = False) -> None:
-    """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); overlap:
-    with programmatic dependent launch beside the remaining blocks' kernel launched just before it with PDL."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, overlap)
+def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int) -> None:
+    """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
-        *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}),
-        **({"launch_pdl": True} if overlap else {}))
+        *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from .layout import PagedKV
 
@@ -67,14 +66,11 @@ def _rest_kernel(
         qk_scale, CK, CV, KMP, VMP, NPART, FIRST_PART,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr):
     """Program (b, h, j): block j of sequence b's remaining tokens for KV head h, written as part FIRST_PART + j.
     Blocks 0 .. cdiv(sink, T) - 1 are the sink's; then each slot after the paged ones (n_paged = min(n_kpages,
     n_vpages)) gives cdiv(G, T) blocks of T consecutive tokens. A block past the sequence's end writes an empty
-    partial (max -inf, which the merge weighs 0). PDL: the paged slots' kernel may start at once (it reads nothing
-    of this launch, and waits for it before it ends: decode_attention's overlap_rest)."""
-    if PDL:
-        gdc_launch_dependents()
+    partial (max -inf, which the merge weighs 0)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -162,10 +158,10 @@ def _rest_kernel(
 
 
 def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,
-                          prec: str, pdl: bool = False) -> tuple[tuple, dict]:
+                          prec: str) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _rest_kernel: parts (output, max, sum) first_part ..
     first_part + rest_parts(kv) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e); dot / prec: the
-    products' operand type and input precision, decode_attention's; pdl: _rest_kernel's PDL).
+    products' operand type and input precision, decode_attention's).
     Also used to compile the kernel for a profile (kernels.sass_profile)."""
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -175,12 +171,12 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
             first_part)
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
                      PREC=prec, T=rest_block_tokens(kv.page_size), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
-                     BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)), PDL=pdl)
+                     BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)))
     return args, constants
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
-                num_warps: int, pdl: bool = False) -> None:
+                num_warps: int) -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program."""
-    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl)
+    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec)
     _rest_kernel[(q.shape[0], kv.k_fp.shape[1], rest_parts(kv))](*args, **constants, num_warps=num_warps)

@@ -51,7 +51,7 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None, wait_prior: bool = False):
+                         maxnreg: int | None = None):
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import MAXNREG, _decode_split_kernel, split_kernel_arguments
@@ -63,14 +63,13 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
-    constants["WAIT_PRIOR"] = wait_prior
     return _compile(ASTSource, _decode_split_kernel, args, constants, arch,
                     {"num_warps": num_warps, "num_stages": num_stages,
                      **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                        arch: int = 90, num_warps: int = 2, pdl: bool = False):
+                        arch: int = 90, num_warps: int = 2):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel."""
     from triton.compiler import ASTSource
 
@@ -81,12 +80,12 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
     n = rest_parts(kv)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
-    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)), pdl)
+    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)))
     return _compile(ASTSource, _rest_kernel, args, constants, arch, {"num_warps": num_warps})
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90, maxnreg: int = 255, wait_prior: bool = False):
+                         splits: int = 16, arch: int = 90, maxnreg: int = 255):
     """The Gluon kernel of decode_attention(kernel="gluon") for the same example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -95,7 +94,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, wait_prior)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits)
     return _compile(GluonASTSource, _gluon_paged_kernel, args, constants, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 

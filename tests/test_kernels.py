@@ -343,52 +343,6 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     assert rows["kitty"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
 
 
-def test_overlap_rest_compiles_into_the_three_kernels_for_hopper():
-    """decode_attention(overlap_rest=True): the remaining blocks' kernel lets the paged kernel launch at once
-    (griddepcontrol.launch_dependents) and either paged kernel waits for it before it ends (griddepcontrol.wait);
-    compiled for sm_90 without a GPU, the Gluon page loop unchanged. Without the option neither instruction is
-    there. (Its results on a GPU: test_decode_attention_with_overlapped_rest_equals_without.)"""
-    code = textwrap.dedent("""
-        import torch
-        from kernels.sass_profile import compile_gluon_kernel, compile_rest_kernel, compile_split_kernel, profile
-        for on in (False, True):
-            rest = compile_rest_kernel("kitty-pro", torch.bfloat16, 4, pdl=on).asm["ptx"]
-            split = compile_split_kernel("kitty-pro", torch.bfloat16, 4, wait_prior=on).asm["ptx"]
-            gluon = compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, wait_prior=on)
-            print(on, "griddepcontrol.launch_dependents" in rest, "griddepcontrol.wait" in split,
-                  "griddepcontrol.wait" in gluon.asm["ptx"], profile(gluon)["loop instructions"])
-    """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
-    plain, overlapped = (line.split() for line in run.stdout.splitlines())
-    assert plain[:4] == ["False"] * 4 and overlapped[:4] == ["True"] * 4, run.stdout
-    assert plain[4] == overlapped[4], run.stdout
-
-
-@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs a Hopper or later GPU")
-@pytest.mark.parametrize("kernel", ["auto", "triton"])
-def test_decode_attention_with_overlapped_rest_equals_without(kernel):
-    """The same partials in either launch order, so the same output to the bit (one sequence, as at batch 1, and a
-    ragged batch with a sequence shorter than a page), also under a CUDA graph as decode steps replay it."""
-    for lengths in ([4100], [4100, 300, 1]):
-        kv, _, _ = random_paged_kv(lengths, heads=2, head_dim=128, n_boost=32, seed=5, device=DEVICE,
-                                   dtype=torch.bfloat16)
-        q = torch.randn(len(lengths), 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
-        plain = decode_attention(q, kv, 128 ** -0.5, kernel=kernel).clone()
-        torch.testing.assert_close(decode_attention(q, kv, 128 ** -0.5, kernel=kernel, overlap_rest=True), plain,
-                                   atol=0, rtol=0)
-        workspace = DecodeWorkspace()
-        decode_attention(q, kv, 128 ** -0.5, kernel=kernel, overlap_rest=True, workspace=workspace)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, overlap_rest=True, workspace=workspace)
-        out.zero_()
-        graph.replay()
-        torch.testing.assert_close(out, plain, atol=0, rtol=0)
-
-
 def test_default_splits_are_the_h200_sweeps_best():
     """The split counts bench tune found best on the H200 (BENCHMARKS.md section 1) at the Qwen3-8B shapes: 8 KV
     heads, pages of 128 tokens, 132 multiprocessors."""
