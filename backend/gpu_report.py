@@ -1,16 +1,19 @@
 """Everything a GPU run must say, in one command: the kernel and cache tests compiled on the GPU, the decode
-attention table, the launch-setting sweep, a generation table, a chat's next turn on a ragged batch, and (when a
-checkout of an earlier commit is given) the earlier kernel's attention table measured in the same run.
+attention table, the launch-setting sweep, a generation table, a chat's next turn on a ragged batch, (when a
+checkout of an earlier commit is given) the earlier kernel's attention table measured in the same run, and (when
+asked for) Nsight Compute's stall samples of one launch by instruction (backend.kernel_profile).
 
-    python -m backend.gpu_report --out DIR [--steps tests attention tune generate turn] [--baseline PATH]
+    python -m backend.gpu_report --out DIR [--steps tests attention tune generate turn profile] [--baseline PATH]
                                  [--baseline-attention ARGS]
                                  [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...] [--attention ARGS]
                                  [--tune ARGS]
-                                 [--turn ARGS] [--pytest "tests/test_graphs.py -k graphed"]
+                                 [--turn ARGS] [--profile ARGS] [--pytest "tests/test_graphs.py -k graphed"]
 
 Each step is its own process with a share of the time budget; its output goes to DIR/log.txt and its results to
 DIR/<step>.json (few files: the device tool brings back at most 8); each --generate argument list is one
-generation table, DIR/generate<k>.json. Steps that do not fit the budget are skipped and say so. BENCHMARKS.md records what each run printed, with this command.
+generation table, DIR/generate<k>.json, and each --profile one profile, DIR/profile<k>.json, _details.txt and
+_source.csv. Steps that do not fit the budget are skipped and say so. BENCHMARKS.md records what each run printed,
+with this command.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-STEPS = ("tests", "attention", "tune", "baseline", "generate", "turn")
+STEPS = ("tests", "attention", "tune", "baseline", "generate", "turn", "profile")
 
 
 def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None]]]:
@@ -40,6 +43,8 @@ def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None
         "generate": [([py, "-m", "backend.bench", "generate", *shlex.split(extra),
                        "--out", str(out / f"generate{k}.json")], None) for k, extra in enumerate(args.generate)],
         "turn": [([py, "-m", "backend.bench", "turn", *shlex.split(args.turn), "--out", str(out / "turn.json")], None)],
+        "profile": [([py, "-m", "backend.kernel_profile", "--out", str(out), "--name", f"profile{k}", "--",
+                      *shlex.split(extra)], None) for k, extra in enumerate(args.profile)],
     }
 
 
@@ -51,7 +56,8 @@ def _has_module(name: str) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.gpu_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", nargs="*", default=list(STEPS), choices=STEPS)
+    parser.add_argument("--steps", nargs="*", default=[s for s in STEPS if s != "profile"], choices=STEPS,
+                        help="steps to run, in this order (default: all but profile)")
     parser.add_argument("--baseline", help="root of an earlier checkout whose kernel is measured for comparison")
     parser.add_argument("--baseline-attention", default="--methods kitty-pro kivi-k2v2", metavar="ARGS",
                         help="arguments of the baseline checkout's `bench attention` step")
@@ -69,11 +75,16 @@ def main(argv=None) -> int:
     parser.add_argument("--turn", default="", metavar="ARGS",
                         help="arguments of the `bench turn` step (default: 16 sequences of 4,352-8,192 tokens, a turn "
                              "of 256)")
+    parser.add_argument("--profile", action="append", metavar="ARGS",
+                        help="the `bench attention` arguments of one profile (repeatable: DIR/profile<k>*, three "
+                             "files each; backend.kernel_profile, Nsight Compute on one launch of the Gluon kernel; "
+                             "default: kitty-pro, batch 64, 32K tokens)")
     parser.add_argument("--pytest", default="tests/test_kernels.py tests/test_cache.py tests/test_graphs.py "
                         "tests/test_flush.py",
                         help="what the tests step runs: pytest arguments (files, -k EXPR)")
     args = parser.parse_args(argv)
     args.generate = args.generate or ["--prompt 512 --new-tokens 256 --methods hf-static kitty-pro"]
+    args.profile = args.profile or [""]
     args.out.mkdir(parents=True, exist_ok=True)
     limits = {k: float(v) for k, v in (item.split("=") for item in args.step_s)}
     deadline = time.monotonic() + args.budget_s

@@ -303,7 +303,8 @@ def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
     parser_args = type("Args", (), dict(pytest="tests/test_kernels.py -k gluon", tune="--vary warps --batches 1",
                                         generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline="old",
                                         turn="--batch 4", attention="--kernels triton gluon",
-                                        baseline_attention="--kernels gluon --methods kitty-pro"))
+                                        baseline_attention="--kernels gluon --methods kitty-pro",
+                                        profile=["", "--methods kivi-k2v2 --batches 8"]))
     steps = step_commands(parser_args, tmp_path)
     assert steps["baseline"][0] == ([sys.executable, "-m", "backend.bench", "attention", "--kernels", "gluon",
                                      "--methods", "kitty-pro", "--out", str(tmp_path / "baseline.json")], "old")
@@ -314,7 +315,35 @@ def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
     generate = [cmd[-5:-2] for cmd, _ in steps["generate"]]
     assert generate == [["64", "--methods", "kitty"], ["generate", "--prompt", "32"]]
     assert steps["tests"][0][0][-3:] == ["tests/test_kernels.py", "-k", "gluon"]
+    assert steps["profile"][0][0][2:] == ["backend.kernel_profile", "--out", str(tmp_path), "--name", "profile0", "--"]
+    assert steps["profile"][1][0][6:] == ["profile1", "--", "--methods", "kivi-k2v2", "--batches", "8"]
     # a real run of one cheap step: its status line and log
     assert main(["--out", str(tmp_path / "run"), "--steps", "tune", "--tune", "--quick --vary"]) == 0
     assert "===== tune: exit 0" in (tmp_path / "run" / "log.txt").read_text()
     assert json.loads((tmp_path / "run" / "tune.json").read_text())["kind"] == "tune"
+
+
+def test_kernel_profile_sums_the_source_pages_columns_by_opcode(tmp_path):
+    """backend.kernel_profile's summary of ncu's source page (no GPU here: a CSV of its shape, the instruction text
+    in "Source", numbers with thousands separators, a predicate before an opcode): every numeric column summed per
+    opcode, the opcodes and instructions ranked by the stall-sample column; the commands profile one launch of the
+    kernel asked for inside `bench attention` and export its details and source page."""
+    from backend.kernel_profile import ncu_commands, summarize_source
+    text = ("\"Address\",\"Source\",\"Warp Stall Sampling (All Samples)\",\"Instructions Executed\"\n"
+            "\"0x10\",\"LOP3.LUT R1, R2, 0x3, RZ, 0xc0, !PT ;\",\"1,200\",\"64\"\n"
+            "\"0x20\",\"@!P0 LDG.E.U16 R4, desc[UR4][R6.64] ;\",\"3,000\",\"8\"\n"
+            "\"0x30\",\"LOP3.LUT R5, R2, 0xc, RZ, 0xc0, !PT ;\",\"900\",\"64\"\n"
+            "\"0x40\",\"HMMA.16816.F32 R8, R12, R16, R8 ;\",\"500\",\"16\"\n")
+    summary = summarize_source(text, top=2)
+    assert summary["ranked_by"] == "Warp Stall Sampling (All Samples)"
+    assert [row["opcode"] for row in summary["opcodes"]] == ["LDG", "LOP3", "HMMA"]
+    lop3 = summary["opcodes"][1]
+    assert lop3["instructions"] == 2 and lop3["Warp Stall Sampling (All Samples)"] == 2100
+    assert lop3["Instructions Executed"] == 128
+    assert [row["Address"] for row in summary["instructions"]] == ["0x20", "0x10"]
+    with pytest.raises(ValueError, match="source page"):
+        summarize_source("a,b\n1,2\n")
+    profile, details, source = ncu_commands(tmp_path, "_gluon_paged_kernel", ["--batches", "64"])
+    assert profile[0] == "ncu" and "regex:_gluon_paged_kernel" in profile and "SourceCounters" in profile
+    assert profile[-5:] == ["attention", "--batches", "64", "--out", str(tmp_path / "bench.json")]
+    assert details[-2:] == ["--page", "details"] and source[-4:] == ["source", "--csv", "--print-source", "sass"]
