@@ -515,6 +515,10 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefi
                seconds=total, tokens_per_s=batch * new_tokens / total,
                decode_tokens_per_s=batch * (new_tokens - 1) / steps.sum() * 1e3, ttft_ms=ttft * 1e3,
                p50_ms=float(np.median(steps)), p99_ms=float(np.percentile(steps, 99)), max_ms=float(steps.max()),
+               # the slowest step after the first two, an eager one and, with CUDA graphs, the capture
+               # (backend.graphs; max_ms was 210-296 ms in the H200's 512-token runs, BENCHMARKS.md section 2,
+               # session 14): the steps the page-boundary bar is about
+               max_steady_ms=float(steps[2:].max()) if len(steps) > 2 else None,
                cuda_graphs=dict(captures=graphs.captures, replays=graphs.replays, disabled=graphs.disabled)
                if cuda_graphs else None,
                peak_gb=max(clock.prefill_peak_gb, torch.cuda.max_memory_allocated() / 1e9)

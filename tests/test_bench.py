@@ -148,7 +148,10 @@ def test_generate_with_flush_spread_auto_takes_the_batchs_spread(tmp_path, monke
     assert bench.main(["generate", "--quick", "--methods", "kitty-pro", "--batch", "30", "--flush-spread", "auto",
                        "--prompt", "40", "--new-tokens", "4", "--out", str(out)]) == 0
     assert calls == [(1, 2), (30, 2)]
-    assert json.loads(out.read_text())["rows"][0]["flush_spread"] == 2
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["flush_spread"] == 2
+    # the slowest step after an eager one and (on a GPU) a CUDA graph's capture: 3 decode steps after the first token
+    assert 0 < row["max_steady_ms"] <= row["max_ms"]
 
 
 def test_sampled_generation_integrates_the_measured_step_times(monkeypatch):
