@@ -37,7 +37,8 @@ FLUSH_MODES = ("auto", "torch", "fused")
 
 # flush_spread="auto": at most this many sequences' pages a decode step. Measured on the H200 at a 512-token prompt
 # (BENCHMARKS.md section 2, session 7): batch 192 with flush_spread 8 (24 a step) made page-boundary steps 1.11x the
-# median step, within the 15 % bar, against 1.68x with all 192 at once.
+# median step, within the 15 % bar, against 1.68x with all 192 at once; session 14: 518 sequences at a spread of 23,
+# the slowest page-boundary step 1.07x the median.
 FLUSH_SEQUENCES_PER_STEP = 24
 
 
