@@ -95,20 +95,34 @@ def _mma():
 
 
 @gluon.jit
+def _operand_columns(x, R: gl.constexpr, K: gl.constexpr):
+    """(R, K) tile whose threads hold K/4 contiguous columns of a row (thread c of 4 along the row) -> the same
+    tile with its columns in operand order: column 16t + 8h + 2c + e is column 4t + 2h + e of thread c's run."""
+    x = gl.permute(gl.reshape(x, [R, 4, K // 16, 2, 2]), [0, 2, 3, 1, 4])
+    return gl.reshape(x, [R, K])
+
+
+@gluon.jit
 def _a_operand(x, R: gl.constexpr, K: gl.constexpr):
     """(R, K) tile in _rows_layout(K) -> the same registers as the first mma operand, columns in operand order."""
-    x = gl.permute(gl.reshape(x, [R, 4, K // 16, 2, 2]), [0, 2, 3, 1, 4])
-    return gl.convert_layout(gl.reshape(x, [R, K]), gl.DotOperandLayout(0, _mma(), 2), assert_trivial=True)
+    return gl.convert_layout(_operand_columns(x, R, K), gl.DotOperandLayout(0, _mma(), 2), assert_trivial=True)
+
+
+@gluon.jit
+def _operand_rows(x, K: gl.constexpr, N: gl.constexpr = 1):
+    """(N * K, heads) tile -> each of its N blocks of K rows in the order that _operand_columns gives the first
+    operand's columns after _tile_products' unpacking, which pairs the bytes of a word as (0, 2) and (1, 3) (a swap
+    inside each 4 rows here)."""
+    x = gl.reshape(gl.permute(gl.reshape(x, [N, K // 4, 2, 2, HEADS]), [0, 1, 3, 2, 4]), [N, K, HEADS])
+    x = gl.permute(gl.reshape(x, [N, 4, K // 16, 2, 2, HEADS]), [0, 2, 3, 1, 4, 5])
+    return gl.reshape(x, [N * K, HEADS])
 
 
 @gluon.jit
 def _b_operand(x, K: gl.constexpr):
-    """(K, heads) tile in _cols_layout(K) -> the same registers as the second mma operand, rows in the order that
-    _a_operand gives the first operand's columns after _tile_products' unpacking, which pairs the bytes of a word
-    as (0, 2) and (1, 3) (a swap inside each 4 rows here)."""
-    x = gl.reshape(gl.permute(gl.reshape(x, [K // 4, 2, 2, HEADS]), [0, 2, 1, 3]), [K, HEADS])
-    x = gl.permute(gl.reshape(x, [4, K // 16, 2, 2, HEADS]), [1, 2, 0, 3, 4])
-    return gl.convert_layout(gl.reshape(x, [K, HEADS]), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
+    """(K, heads) tile in _cols_layout(K) -> the same registers as the second mma operand, rows in _operand_rows'
+    order."""
+    return gl.convert_layout(_operand_rows(x, K), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
 
 
 HEADS = gl.constexpr(HEADS_PER_TILE)
@@ -165,14 +179,15 @@ def _tile_products(x, b, acc0, acc1, acc2, acc3, R: gl.constexpr, K: gl.constexp
 
 
 @gluon.constexpr_function
-def _vector_layout(N, BYTES):
-    """A (N,) vector of BYTES-byte elements over a warp for cp.async: at least 4 bytes per thread."""
-    return gl.BlockedLayout([max(N // 32, 4 // BYTES)], [32], [1], [0])
+def _vector_layout(N, BYTES, W):
+    """A (N,) vector of BYTES-byte elements over W warps for cp.async: at least 4 bytes per thread (warps past what
+    the vector needs copy the same bytes again)."""
+    return gl.BlockedLayout([max(N // (32 * W), 4 // BYTES)], [32], [W], [0])
 
 
 @gluon.jit
-def _copy_vector(smem, ptr, N: gl.constexpr, BYTES: gl.constexpr):
-    async_copy.async_copy_global_to_shared(smem, ptr + gl.arange(0, N, layout=_vector_layout(N, BYTES)))
+def _copy_vector(smem, ptr, N: gl.constexpr, BYTES: gl.constexpr, W: gl.constexpr):
+    async_copy.async_copy_global_to_shared(smem, ptr + gl.arange(0, N, layout=_vector_layout(N, BYTES, W)))
 
 
 # ---------------------------------------------------------------------------------------------- one paged slot
@@ -306,18 +321,20 @@ def _plane_shape(R, K, C, PRESENT):
 
 
 @gluon.constexpr_function
-def _copy_layout(CH, R, C):
-    """A [CH, R, C] chunked plane over a warp for cp.async, in the page's own byte order: a thread's 16 bytes, then
-    the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16)."""
+def _copy_layout(CH, R, C, W):
+    """A [CH, R, C] chunked plane over W warps for cp.async, in the page's own byte order: a thread's 16 bytes, then
+    the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16); the
+    warps take successive rows."""
     tk = C // 16
     tc = min(CH, 32 // tk)
-    return gl.BlockedLayout([1, 1, 16], [tc, 32 // (tk * tc), tk], [1, 1, 1], [2, 0, 1])
+    return gl.BlockedLayout([1, 1, 16], [tc, 32 // (tk * tc), tk], [1, W, 1], [2, 0, 1])
 
 
 @gluon.jit
-def _copy_plane(buf, ptr, page, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr):
-    """cp.async of page `page`'s (R, K) code plane (rows of K bytes) into buf, a chunked plane (_plane_shape)."""
-    layout: gl.constexpr = _copy_layout(K // C, R, C)
+def _copy_plane(buf, ptr, page, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr, W: gl.constexpr):
+    """cp.async of page `page`'s (R, K) code plane (rows of K bytes) into buf, a chunked plane (_plane_shape), by
+    W warps."""
+    layout: gl.constexpr = _copy_layout(K // C, R, C, W)
     chunks = buf._reinterpret(gl.uint8, [K // C, R, C], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     c = gl.arange(0, K // C, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
     r = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
@@ -350,27 +367,27 @@ def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr):
 
 @gluon.jit
 def _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D: gl.constexpr,
-               G: gl.constexpr, NB: gl.constexpr):
-    """cp.async of key page `kpage`'s tiles into kbufs, committed as one group."""
+               G: gl.constexpr, NB: gl.constexpr, W: gl.constexpr = 1):
+    """cp.async of key page `kpage`'s tiles into kbufs by W warps."""
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
-    _copy_plane(klow_s, klow_ptr, kpage, G // 4, D, KC)
-    _copy_vector(kscale_s, kscale_ptr + kpage * D, D, 2)
-    _copy_vector(kzero_s, kzero_ptr + kpage * D, D, 2)
+    _copy_plane(klow_s, klow_ptr, kpage, G // 4, D, KC, W)
+    _copy_vector(kscale_s, kscale_ptr + kpage * D, D, 2, W)
+    _copy_vector(kzero_s, kzero_ptr + kpage * D, D, 2, W)
     if NB > 0:
-        _copy_plane(khigh_s, khigh_ptr, kpage, G // 4, NB, _chunk(NB))
-        _copy_vector(ch_s, kch_ptr + kpage * NB, NB, 1)
+        _copy_plane(khigh_s, khigh_ptr, kpage, G // 4, NB, _chunk(NB), W)
+        _copy_vector(ch_s, kch_ptr + kpage * NB, NB, 1, W)
 
 
 @gluon.jit
 def _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D: gl.constexpr, G: gl.constexpr,
-                 V_BITS: gl.constexpr):
-    """cp.async of value page `vpage`'s tiles into vbufs."""
+                 V_BITS: gl.constexpr, W: gl.constexpr = 1):
+    """cp.async of value page `vpage`'s tiles into vbufs by W warps."""
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    _copy_plane(vlow_s, vlow_ptr, vpage, D // 4, G, G // 4)
+    _copy_plane(vlow_s, vlow_ptr, vpage, D // 4, G, G // 4, W)
     if V_BITS == 4:
-        _copy_plane(vhigh_s, vhigh_ptr, vpage, D // 4, G, G // 4)
-    _copy_vector(vscale_s, vscale_ptr + vpage * G, G, 2)
-    _copy_vector(vzero_s, vzero_ptr + vpage * G, G, 2)
+        _copy_plane(vhigh_s, vhigh_ptr, vpage, D // 4, G, G // 4, W)
+    _copy_vector(vscale_s, vscale_ptr + vpage * G, G, 2, W)
+    _copy_vector(vzero_s, vzero_ptr + vpage * G, G, 2, W)
 
 
 @gluon.constexpr_function
@@ -382,6 +399,52 @@ def _queries_shared():
 
 # triton 3.7 calls gl.thread_barrier (3.6, the H200's version) gl.barrier
 _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+@gluon.jit
+def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
+                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, H: gl.constexpr, D: gl.constexpr,
+                 G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, W: gl.constexpr):
+    """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split), its slot buffers
+    with the first slot's pages on their way (two cp.async groups, keys then values, copied by W warps), and the
+    page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
+    n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
+    per_split = gl.cdiv(n_paged, NSPLIT)
+    start = part * per_split
+    end = gl.minimum(start + per_split, n_paged)
+    last = gl.maximum(end - 1, 0)
+    ktab = ktab_ptr + b * KMP
+    vtab = vtab_ptr + b * VMP
+    kbufs = _key_buffers(D, G, NB)
+    vbufs = _value_buffers(D, G, V_BITS)
+    kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
+    vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
+    if start < end:
+        _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, W)
+        async_copy.commit_group()
+        _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, W)
+        async_copy.commit_group()
+    # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use.
+    # A program without slots reads no table entry (a sequence's row may have none)
+    kpage_next = gl.load(ktab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
+    vpage_next = gl.load(vtab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
+    return start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next
+
+
+@gluon.jit
+def _queries(q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, lay: gl.constexpr,
+             shared: gl.constexpr):
+    """The group's queries times Q_SCALE in fp16, chunk by chunk into shared memory (D / KC, KC, HEADS) written
+    from registers in `lay`; heads past the group are zero. Returns (1, HEADS) pointers to the query rows and the
+    real heads (in `lay`) and the shared memory."""
+    heads_q = gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay))
+    q_rows = q_ptr + ((b * H + h) * GROUP + heads_q[None, :]).to(gl.int64) * D
+    hmask_b = heads_q[None, :] < GROUP
+    q_s = gl.allocate_shared_memory(DOT, [D // KC, KC, HEADS], shared)
+    d = gl.arange(0, KC, layout=gl.SliceLayout(1, lay))
+    for c in gl.static_range(D // KC):
+        q_s.index(c).store((gl.load(q_rows + c * KC + d[:, None], mask=hmask_b, other=0.0) * Q_SCALE).to(DOT))
+    return q_rows, hmask_b, q_s
 
 
 @gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART"])
@@ -400,36 +463,10 @@ def _gluon_paged_kernel(
     part = gl.program_id(2)
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
-    n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
-    per_split = gl.cdiv(n_paged, NSPLIT)
-    start = part * per_split
-    end = gl.minimum(start + per_split, n_paged)
-    last = gl.maximum(end - 1, 0)
-    ktab = ktab_ptr + b * KMP
-    vtab = vtab_ptr + b * VMP
-    kbufs = _key_buffers(D, G, NB)
-    vbufs = _value_buffers(D, G, V_BITS)
-    kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
-    vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
-    if start < end:
-        _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
-        async_copy.commit_group()
-        _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
-        async_copy.commit_group()
-    # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use.
-    # A program without slots reads no table entry (a sequence's row may have none)
-    kpage_next = gl.load(ktab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
-    vpage_next = gl.load(vtab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
-
-    # the group's queries times Q_SCALE in fp16, chunk by chunk into shared memory; heads past the group are zero
-    cols: gl.constexpr = _cols_layout(KC)
-    heads_q = gl.arange(0, HEADS, layout=gl.SliceLayout(0, cols))
-    q_rows = q_ptr + ((b * H + h) * GROUP + heads_q[None, :]).to(gl.int64) * D
-    hmask_b = heads_q[None, :] < GROUP
-    q_s = gl.allocate_shared_memory(DOT, [D // KC, KC, HEADS], _queries_shared())
-    d = gl.arange(0, KC, layout=gl.SliceLayout(1, cols))
-    for c in gl.static_range(D // KC):
-        q_s.index(c).store((gl.load(q_rows + c * KC + d[:, None], mask=hmask_b, other=0.0) * Q_SCALE).to(DOT))
+    start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
+        b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, H, D, G, NB, V_BITS, 1)
+    q_rows, hmask_b, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
 
     mma: gl.constexpr = _mma()
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
