@@ -247,7 +247,7 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "rest")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "wgmma", "rest")
 
 
 def bench_tune(args) -> dict:
@@ -277,10 +277,10 @@ def bench_tune(args) -> dict:
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None)
 
-            def gluon(maxnreg, quarters=4):
-                """The Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
-                own = split_count(q, kv, "gluon", maxnreg)
-                return {**base, "kernel": "gluon", "maxnreg": maxnreg,
+            def gluon(maxnreg, quarters=4, kernel="gluon"):
+                """A Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
+                own = split_count(q, kv, kernel, maxnreg)
+                return {**base, "kernel": kernel, "maxnreg": maxnreg,
                         "splits": max(1, min(pages, own * quarters // 4))}
 
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
@@ -292,6 +292,9 @@ def bench_tune(args) -> dict:
                       "kernel": [gluon(GLUON_MAXNREG)],
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
+                      # the warpgroup kernel (kernels/decode_wgmma.py) at the compiler's registers and at caps that
+                      # buy resident programs with spills, and at twice its split
+                      "wgmma": [gluon(r, kernel="wgmma") for r in (255, 168, 128)] + [gluon(255, 8, "wgmma")],
                       # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
                       # (None: decode_rest.rest_warps, by the launch's programs)
                       "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))

@@ -536,7 +536,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon")
+KERNELS = ("auto", "triton", "gluon", "wgmma")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -545,14 +545,20 @@ KERNELS = ("auto", "triton", "gluon")
 # applies.
 GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor, as at 129-167 (decode_gluon.resident_programs);
                               # 128 gives 16, with spills (measured slower), 176-255 fewer
+# The warpgroup kernel (decode_wgmma.py, an experiment): the compiler's registers (166-188, 2-3 resident programs of
+# 4 warps) until the H200 has measured caps; at 128 its page loop spills (`python -m kernels.sass_profile --kernel
+# wgmma --maxnreg 128`)
+WGMMA_MAXNREG = 255
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
-    """default_splits for a launch of `kernel` ("triton" or "gluon") at its register cap (and, for Gluon, its
-    shared memory): one wave of the programs a multiprocessor holds."""
-    from . import decode_gluon
-    resident = (decode_gluon.resident_programs(kv, q.shape[-1], maxnreg) if kernel == "gluon"
-                else resident_programs(maxnreg, num_warps))
+    """default_splits for a launch of `kernel` ("triton", "gluon" or "wgmma") at its register cap (and, for the
+    Gluon kernels, their shared memory): one wave of the programs a multiprocessor holds."""
+    if kernel in ("gluon", "wgmma"):
+        from . import decode_gluon, decode_wgmma
+        resident = (decode_gluon if kernel == "gluon" else decode_wgmma).resident_programs(kv, q.shape[-1], maxnreg)
+    else:
+        resident = resident_programs(maxnreg, num_warps)
     return default_splits(q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device),
                           resident)
 
@@ -572,8 +578,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default: split_count);
     num_warps / num_stages: the Triton kernel's warps per program and software-pipelining depth (the Gluon kernel's
     programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned on the H200:
-    MAXNREG for Triton, GLUON_MAXNREG for Gluon; 255 leaves it to the compiler). kernel: that kernel, "triton",
-    "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto"
+    MAXNREG for Triton, GLUON_MAXNREG / WGMMA_MAXNREG for the Gluon kernels; 255 leaves it to the compiler). kernel:
+    that kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
+    "wgmma" (kernels/decode_wgmma.py, Hopper only, an experiment not yet measured; the same fallback) or "auto"
     (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps). With a
     workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     if kernel not in KERNELS:
@@ -583,11 +590,11 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     q = q.contiguous()
     if kernel == "auto":
         kernel = choose_kernel(q, kv, num_warps)
-    elif kernel == "gluon":
-        from . import decode_gluon
-        kernel = "gluon" if decode_gluon.supports(q, kv) else "triton"
+    elif kernel in ("gluon", "wgmma"):
+        from . import decode_gluon, decode_wgmma
+        kernel = kernel if (decode_gluon if kernel == "gluon" else decode_wgmma).supports(q, kv) else "triton"
     if maxnreg is None:
-        maxnreg = GLUON_MAXNREG if kernel == "gluon" else MAXNREG
+        maxnreg = {"gluon": GLUON_MAXNREG, "wgmma": WGMMA_MAXNREG}.get(kernel, MAXNREG)
     if num_splits is None:
         num_splits = split_count(q, kv, kernel, maxnreg, num_warps)
     rest = rest_parts(kv)
@@ -602,9 +609,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     # no faster than noise at batch 64: BENCHMARKS.md section 1, sessions 12 to 14.)
     dot = dot_dtype(q.dtype)
     launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps)
-    if kernel == "gluon":
-        from . import decode_gluon
-        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg)
+    if kernel in ("gluon", "wgmma"):
+        from . import decode_gluon, decode_wgmma
+        (decode_gluon if kernel == "gluon" else decode_wgmma).launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg)
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
         _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps, num_stages=num_stages,
