@@ -367,7 +367,7 @@ def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr):
 
 @gluon.jit
 def _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D: gl.constexpr,
-               G: gl.constexpr, NB: gl.constexpr, W: gl.constexpr = 1):
+               G: gl.constexpr, NB: gl.constexpr, W: gl.constexpr):
     """cp.async of key page `kpage`'s tiles into kbufs by W warps."""
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     _copy_plane(klow_s, klow_ptr, kpage, G // 4, D, KC, W)
@@ -380,7 +380,7 @@ def _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr
 
 @gluon.jit
 def _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D: gl.constexpr, G: gl.constexpr,
-                 V_BITS: gl.constexpr, W: gl.constexpr = 1):
+                 V_BITS: gl.constexpr, W: gl.constexpr):
     """cp.async of value page `vpage`'s tiles into vbufs by W warps."""
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
     _copy_plane(vlow_s, vlow_ptr, vpage, D // 4, G, G // 4, W)
@@ -485,7 +485,7 @@ def _gluon_paged_kernel(
         s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D, G, NB)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
         if more:
-            _copy_keys(kbufs, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
+            _copy_keys(kbufs, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, 1)
         async_copy.commit_group()
         async_copy.wait_group(1)                    # this slot's values are in (the next slot's keys may not be)
         _BARRIER()
@@ -493,7 +493,7 @@ def _gluon_paged_kernel(
                                                                 acc2, acc3, D, G, V_BITS)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
-            _copy_values(vbufs, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
+            _copy_values(vbufs, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, 1)
         async_copy.commit_group()
         kpage = kpage_next
         kpage_next = kpage_after
