@@ -242,6 +242,9 @@ GLUON_CASES = [
     ([900], 2, 64, 1, 4, 4, 16, 64, 64, 64, torch.bfloat16),                   # kivi-k4v4
     ([650, 129], 2, 128, 4, 2, 4, 32, 128, 128, 32, torch.float16),
     ([1300], 1, 64, 3, 4, 2, 32, 64, 64, 64, torch.float16),
+    # head_dim 128 and pages of 128 (the warpgroup kernel's shapes) at GQA ratios 8 and 1
+    ([2000, 130], 2, 128, 8, 2, 2, 32, 128, 128, 32, torch.bfloat16),
+    ([777], 3, 128, 1, 2, 2, 0, 128, 128, 0, torch.float16),                  # kivi-k2v2
 ]
 
 
