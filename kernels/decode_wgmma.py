@@ -31,9 +31,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from .decode_gluon import CONVERT_SCRATCH as ONE_WARP_SCRATCH
 from .decode_gluon import (DOT, HEADS, HEADS_PER_TILE, KC, Q_SCALE, QUARTER_WEIGHT, SHARED_PER_SM, SHARED_RESERVED,
                            _BARRIER, _chunk, _copy_keys, _copy_values, _first_slots, _mul2, _operand_columns,
-                           _operand_rows, _pick, _queries, _spread)
+                           _operand_rows, _pick, _queries, _spread, kernel_arguments)
+from .decode_gluon import shared_bytes as one_warp_shared_bytes
 from .layout import PagedKV
 
 WARPS = gl.constexpr(4)       # a warpgroup
@@ -322,10 +324,9 @@ def shared_bytes(kv: PagedKV, head_dim: int) -> int:
     scratch), the B operands written each page (fp16, 8 heads: q * scale and q * zero over the channels, the boosted
     channels', p * scale, p and p * zero over the tokens, and 4 p * scale for 4-bit values), the ones and the
     scratch (tests/test_kernels.py checks this against compiled kernels)."""
-    from .decode_gluon import CONVERT_SCRATCH as ONE_WARP_SCRATCH, shared_bytes as slot_bytes
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     operands = 2 * HEADS_PER_TILE * (2 * d + nb + 3 * g + (g if kv.v_bits == 4 else 0))
-    return slot_bytes(kv, head_dim) - ONE_WARP_SCRATCH + operands + ONES_BYTES + CONVERT_SCRATCH
+    return one_warp_shared_bytes(kv, head_dim) - ONE_WARP_SCRATCH + operands + ONES_BYTES + CONVERT_SCRATCH
 
 
 def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
@@ -337,14 +338,9 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, 16, by_shared))
 
 
-def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
-    """Run-time arguments and compile-time constants: decode_gluon.kernel_arguments' (the same signature)."""
-    from .decode_gluon import kernel_arguments as one_warp_arguments
-    return one_warp_arguments(q, kv, qk_scale, parts, num_splits)
-
-
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int) -> None:
-    """Run _wgmma_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
+    """Run _wgmma_paged_kernel with a register cap per thread (255: the compiler's); its arguments are the one-warp
+    kernel's (decode_gluon.kernel_arguments)."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits)
     _wgmma_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, num_warps=WARPS.value, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

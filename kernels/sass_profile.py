@@ -98,7 +98,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
              torch.zeros(1, heads * group, splits))
     args, constants = kernel_arguments(q, kv, 1.0, parts, splits)
     return _compile(GluonASTSource, _wgmma_paged_kernel if warpgroup else _gluon_paged_kernel, args, constants, arch,
-                    {"num_warps": WARPS if warpgroup else 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
+                    {"num_warps": WARPS.value if warpgroup else 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
 
 def _compile(source_class, fn, args, constants, arch, options):
