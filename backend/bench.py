@@ -247,13 +247,13 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "wgmma", "rest")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "rest")
 
 
 def bench_tune(args) -> dict:
     """The decode kernel's launch settings on one method, at each shape: programs over the paged blocks of each
     (sequence, KV head), register caps, pipeline depths and warps per program, with the default choice marked.
-    What the defaults (default_splits, MAXNREG) were set from."""
+    What the defaults (default_splits, balanced_splits, MAXNREG, GLUON_MAXNREG) were set from."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hq, h, d = (32, 8, 128) if not args.quick else (8, 2, 64)
@@ -261,6 +261,7 @@ def bench_tune(args) -> dict:
     lengths = args.lengths or ([4096, 32768] if not args.quick else [300])
     method = (args.methods or ["kitty-pro"])[0]
     sm_count = multiprocessors(torch.device(device))
+    from kernels.decode_gluon import resident_programs as gluon_resident
     rows = []
     for length in lengths:
         for batch in batches:
@@ -277,24 +278,24 @@ def bench_tune(args) -> dict:
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None)
 
-            def gluon(maxnreg, quarters=4, kernel="gluon"):
-                """A Gluon kernel at a register cap, at quarters / 4 of the split its resident programs choose."""
-                own = split_count(q, kv, kernel, maxnreg)
-                return {**base, "kernel": kernel, "maxnreg": maxnreg,
+            def gluon(maxnreg, quarters=4, splits=None):
+                """The Gluon kernel at a register cap, at quarters / 4 of the split it chooses (or at `splits`)."""
+                own = splits or split_count(q, kv, "gluon", maxnreg)
+                return {**base, "kernel": "gluon", "maxnreg": maxnreg,
                         "splits": max(1, min(pages, own * quarters // 4))}
 
             sweeps = {"splits": [{**base, "splits": n} for n in splits],
                       "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
                       "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
                       "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
-                      # the Gluon kernel over the paged blocks at its register cap, at half and twice its split, and
-                      # at other caps (resident programs against spills), each at the split its programs choose
+                      # the Gluon kernel over the paged blocks at its register cap, at half and twice its split and at
+                      # one full wave of the programs its registers leave resident (the split before session 16's
+                      # balanced_splits), and at other caps (resident programs against spills), each at the split its
+                      # programs choose
                       "kernel": [gluon(GLUON_MAXNREG)],
-                      "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)],
+                      "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)] + [gluon(GLUON_MAXNREG, splits=(
+                          default_splits(batch, h, pages, sm_count, gluon_resident(kv, d, GLUON_MAXNREG))))],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
-                      # the warpgroup kernel (kernels/decode_wgmma.py) at the compiler's registers and at caps that
-                      # buy resident programs with spills, and at twice its split
-                      "wgmma": [gluon(r, kernel="wgmma") for r in (255, 168, 128)] + [gluon(255, 8, "wgmma")],
                       # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
                       # (None: decode_rest.rest_warps, by the launch's programs)
                       "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
@@ -818,7 +819,7 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         for setting in dict.fromkeys(map(setting_of, rows)):
             sel = [r for r in rows if setting_of(r) == setting]
             fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}"
-                             + (", Gluon kernel" if setting[3] == "gluon" else ""),
+                             + (f", {setting[3]} kernel" if setting[3] != "triton" else ""),
                         x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")

@@ -493,6 +493,36 @@ def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 13
     return max(1, min(wave // (batch * kv_heads), triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT), 256))
 
 
+# The Gluon kernel's split (balanced_splits): fewer programs than a full wave where that evens out the pages of the
+# busiest multiprocessor, down to this many programs on each (2 warps a scheduler; at 6 the kernel ran 17 % slower
+# at batch 8 / 32K), if it takes at least BALANCE_GAIN off that load
+MIN_BALANCED_PROGRAMS = 8
+BALANCE_GAIN = 0.03
+
+
+def balanced_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int, resident: int) -> int:
+    """Programs over the paged blocks per (sequence, KV head) for the Gluon kernel: one page each where all of them
+    fit one wave (batch 2 / 4K: 12.9 against 14.2 us at two pages each); else the split whose busiest multiprocessor
+    has the fewest pages to do, ceil(programs / multiprocessors) x ceil(pages / split), among the waves of
+    MIN_BALANCED_PROGRAMS to `resident` programs a multiprocessor, unless it is within BALANCE_GAIN of the full
+    wave's. Why: a one-warp program's speed hardly depends on 8 or 12 of them sharing a multiprocessor, but the
+    busiest multiprocessor sets the time (batch 8 / 32K: 16 splits, 8 programs a multiprocessor with 16 pages each,
+    74.6 us; the full wave's 24 splits, 12 programs with 11 pages, 77.8 us; BENCHMARKS.md section 1, session 16)."""
+    pairs = batch * kv_heads
+    if pairs * max_pages <= resident * sm_count:
+        return max(1, min(max_pages, 256))
+
+    def split(programs_per_sm):
+        return max(1, min(programs_per_sm * sm_count // pairs, max_pages, 256))
+
+    def busiest(n):
+        return -(-pairs * n // sm_count) * -(-max_pages // n)
+
+    full = split(resident)
+    best = min((split(r) for r in range(min(MIN_BALANCED_PROGRAMS, resident), resident + 1)), key=busiest)
+    return best if busiest(best) <= (1 - BALANCE_GAIN) * busiest(full) else full
+
+
 class DecodeWorkspace:
     """decode_attention's partial results and output, kept between calls of one layer so that a decode step
     allocates nothing (and a captured CUDA graph keeps its addresses). The output returned by a call is
@@ -536,7 +566,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "wgmma")
+KERNELS = ("auto", "triton", "gluon")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -545,22 +575,17 @@ KERNELS = ("auto", "triton", "gluon", "wgmma")
 # applies.
 GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor, as at 129-167 (decode_gluon.resident_programs);
                               # 128 gives 16, with spills (measured slower), 176-255 fewer
-# The warpgroup kernel (decode_wgmma.py, an experiment): the compiler's registers (166-188, 2-3 resident programs of
-# 4 warps) until the H200 has measured caps; at 128 its page loop spills (`python -m kernels.sass_profile --kernel
-# wgmma --maxnreg 128`)
-WGMMA_MAXNREG = 255
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
-    """default_splits for a launch of `kernel` ("triton", "gluon" or "wgmma") at its register cap (and, for the
-    Gluon kernels, their shared memory): one wave of the programs a multiprocessor holds."""
-    if kernel in ("gluon", "wgmma"):
-        from . import decode_gluon, decode_wgmma
-        resident = (decode_gluon if kernel == "gluon" else decode_wgmma).resident_programs(kv, q.shape[-1], maxnreg)
-    else:
-        resident = resident_programs(maxnreg, num_warps)
-    return default_splits(q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device),
-                          resident)
+    """The split of a launch of `kernel` ("triton" or "gluon") at its register cap: default_splits of
+    the programs a multiprocessor holds for the Triton kernel, balanced_splits of those (by registers and shared
+    memory) for the Gluon kernel."""
+    shape = (q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device))
+    if kernel == "gluon":
+        from . import decode_gluon
+        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg))
+    return default_splits(*shape, resident_programs(maxnreg, num_warps))
 
 
 def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
@@ -578,9 +603,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default: split_count);
     num_warps / num_stages: the Triton kernel's warps per program and software-pipelining depth (the Gluon kernel's
     programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned on the H200:
-    MAXNREG for Triton, GLUON_MAXNREG / WGMMA_MAXNREG for the Gluon kernels; 255 leaves it to the compiler). kernel:
-    that kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
-    "wgmma" (kernels/decode_wgmma.py, Hopper only, an experiment not yet measured; the same fallback) or "auto"
+    MAXNREG for Triton, GLUON_MAXNREG for the Gluon kernel; 255 leaves it to the compiler). kernel: that kernel,
+    "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto"
     (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps). With a
     workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     if kernel not in KERNELS:
@@ -590,11 +614,11 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     q = q.contiguous()
     if kernel == "auto":
         kernel = choose_kernel(q, kv, num_warps)
-    elif kernel in ("gluon", "wgmma"):
-        from . import decode_gluon, decode_wgmma
-        kernel = kernel if (decode_gluon if kernel == "gluon" else decode_wgmma).supports(q, kv) else "triton"
+    elif kernel == "gluon":
+        from . import decode_gluon
+        kernel = kernel if decode_gluon.supports(q, kv) else "triton"
     if maxnreg is None:
-        maxnreg = {"gluon": GLUON_MAXNREG, "wgmma": WGMMA_MAXNREG}.get(kernel, MAXNREG)
+        maxnreg = GLUON_MAXNREG if kernel == "gluon" else MAXNREG
     if num_splits is None:
         num_splits = split_count(q, kv, kernel, maxnreg, num_warps)
     rest = rest_parts(kv)
@@ -609,9 +633,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     # no faster than noise at batch 64: BENCHMARKS.md section 1, sessions 12 to 14.)
     dot = dot_dtype(q.dtype)
     launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps)
-    if kernel in ("gluon", "wgmma"):
-        from . import decode_gluon, decode_wgmma
-        (decode_gluon if kernel == "gluon" else decode_wgmma).launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg)
+    if kernel == "gluon":
+        from . import decode_gluon
+        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg)
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
         _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps, num_stages=num_stages,

@@ -109,20 +109,13 @@ def _a_operand(x, R: gl.constexpr, K: gl.constexpr):
 
 
 @gluon.jit
-def _operand_rows(x, K: gl.constexpr, N: gl.constexpr = 1):
-    """(N * K, heads) tile -> each of its N blocks of K rows in the order that _operand_columns gives the first
-    operand's columns after _tile_products' unpacking, which pairs the bytes of a word as (0, 2) and (1, 3) (a swap
-    inside each 4 rows here)."""
-    x = gl.reshape(gl.permute(gl.reshape(x, [N, K // 4, 2, 2, HEADS]), [0, 1, 3, 2, 4]), [N, K, HEADS])
-    x = gl.permute(gl.reshape(x, [N, 4, K // 16, 2, 2, HEADS]), [0, 2, 3, 1, 4, 5])
-    return gl.reshape(x, [N * K, HEADS])
-
-
-@gluon.jit
 def _b_operand(x, K: gl.constexpr):
-    """(K, heads) tile in _cols_layout(K) -> the same registers as the second mma operand, rows in _operand_rows'
-    order."""
-    return gl.convert_layout(_operand_rows(x, K), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
+    """(K, heads) tile in _cols_layout(K) -> the same registers as the second mma operand, rows in the order that
+    _operand_columns gives the first operand's columns after _tile_products' unpacking, which pairs the bytes of a
+    word as (0, 2) and (1, 3) (a swap inside each 4 rows here)."""
+    x = gl.reshape(gl.permute(gl.reshape(x, [K // 4, 2, 2, HEADS]), [0, 2, 1, 3]), [K, HEADS])
+    x = gl.permute(gl.reshape(x, [4, K // 16, 2, 2, HEADS]), [1, 2, 0, 3, 4])
+    return gl.convert_layout(gl.reshape(x, [K, HEADS]), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
 
 
 HEADS = gl.constexpr(HEADS_PER_TILE)
@@ -179,15 +172,14 @@ def _tile_products(x, b, acc0, acc1, acc2, acc3, R: gl.constexpr, K: gl.constexp
 
 
 @gluon.constexpr_function
-def _vector_layout(N, BYTES, W):
-    """A (N,) vector of BYTES-byte elements over W warps for cp.async: at least 4 bytes per thread (warps past what
-    the vector needs copy the same bytes again)."""
-    return gl.BlockedLayout([max(N // (32 * W), 4 // BYTES)], [32], [W], [0])
+def _vector_layout(N, BYTES):
+    """A (N,) vector of BYTES-byte elements over a warp for cp.async: at least 4 bytes per thread."""
+    return gl.BlockedLayout([max(N // 32, 4 // BYTES)], [32], [1], [0])
 
 
 @gluon.jit
-def _copy_vector(smem, ptr, N: gl.constexpr, BYTES: gl.constexpr, W: gl.constexpr):
-    async_copy.async_copy_global_to_shared(smem, ptr + gl.arange(0, N, layout=_vector_layout(N, BYTES, W)))
+def _copy_vector(smem, ptr, N: gl.constexpr, BYTES: gl.constexpr):
+    async_copy.async_copy_global_to_shared(smem, ptr + gl.arange(0, N, layout=_vector_layout(N, BYTES)))
 
 
 # ---------------------------------------------------------------------------------------------- one paged slot
@@ -321,20 +313,22 @@ def _plane_shape(R, K, C, PRESENT):
 
 
 @gluon.constexpr_function
-def _copy_layout(CH, R, C, W):
-    """A [CH, R, C] chunked plane over W warps for cp.async, in the page's own byte order: a thread's 16 bytes, then
-    the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16); the
-    warps take successive rows."""
+def _copy_layout(CH, R, C):
+    """A [CH, R, C] chunked plane over a warp for cp.async, in the page's own byte order: a thread's 16 bytes, then
+    the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16). (Its
+    16-byte pieces of a row land R * C bytes apart in shared memory, on the same banks: ncu counts 16 wavefronts
+    an instruction where 4 would do. A quarter warp taking one chunk's rows instead left that count as it was, and
+    Gluon in triton 3.6 lowers neither padded layouts nor slices of rows swizzled by chunk: BENCHMARKS.md section 1,
+    session 16.)"""
     tk = C // 16
     tc = min(CH, 32 // tk)
-    return gl.BlockedLayout([1, 1, 16], [tc, 32 // (tk * tc), tk], [1, W, 1], [2, 0, 1])
+    return gl.BlockedLayout([1, 1, 16], [tc, 32 // (tk * tc), tk], [1, 1, 1], [2, 0, 1])
 
 
 @gluon.jit
-def _copy_plane(buf, ptr, page, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr, W: gl.constexpr):
-    """cp.async of page `page`'s (R, K) code plane (rows of K bytes) into buf, a chunked plane (_plane_shape), by
-    W warps."""
-    layout: gl.constexpr = _copy_layout(K // C, R, C, W)
+def _copy_plane(buf, ptr, page, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr):
+    """cp.async of page `page`'s (R, K) code plane (rows of K bytes) into buf, a chunked plane (_plane_shape)."""
+    layout: gl.constexpr = _copy_layout(K // C, R, C)
     chunks = buf._reinterpret(gl.uint8, [K // C, R, C], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     c = gl.arange(0, K // C, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
     r = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
@@ -367,27 +361,27 @@ def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr):
 
 @gluon.jit
 def _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D: gl.constexpr,
-               G: gl.constexpr, NB: gl.constexpr, W: gl.constexpr):
-    """cp.async of key page `kpage`'s tiles into kbufs by W warps."""
+               G: gl.constexpr, NB: gl.constexpr):
+    """cp.async of key page `kpage`'s tiles into kbufs."""
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
-    _copy_plane(klow_s, klow_ptr, kpage, G // 4, D, KC, W)
-    _copy_vector(kscale_s, kscale_ptr + kpage * D, D, 2, W)
-    _copy_vector(kzero_s, kzero_ptr + kpage * D, D, 2, W)
+    _copy_plane(klow_s, klow_ptr, kpage, G // 4, D, KC)
+    _copy_vector(kscale_s, kscale_ptr + kpage * D, D, 2)
+    _copy_vector(kzero_s, kzero_ptr + kpage * D, D, 2)
     if NB > 0:
-        _copy_plane(khigh_s, khigh_ptr, kpage, G // 4, NB, _chunk(NB), W)
-        _copy_vector(ch_s, kch_ptr + kpage * NB, NB, 1, W)
+        _copy_plane(khigh_s, khigh_ptr, kpage, G // 4, NB, _chunk(NB))
+        _copy_vector(ch_s, kch_ptr + kpage * NB, NB, 1)
 
 
 @gluon.jit
 def _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D: gl.constexpr, G: gl.constexpr,
-                 V_BITS: gl.constexpr, W: gl.constexpr):
-    """cp.async of value page `vpage`'s tiles into vbufs by W warps."""
+                 V_BITS: gl.constexpr):
+    """cp.async of value page `vpage`'s tiles into vbufs."""
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    _copy_plane(vlow_s, vlow_ptr, vpage, D // 4, G, G // 4, W)
+    _copy_plane(vlow_s, vlow_ptr, vpage, D // 4, G, G // 4)
     if V_BITS == 4:
-        _copy_plane(vhigh_s, vhigh_ptr, vpage, D // 4, G, G // 4, W)
-    _copy_vector(vscale_s, vscale_ptr + vpage * G, G, 2, W)
-    _copy_vector(vzero_s, vzero_ptr + vpage * G, G, 2, W)
+        _copy_plane(vhigh_s, vhigh_ptr, vpage, D // 4, G, G // 4)
+    _copy_vector(vscale_s, vscale_ptr + vpage * G, G, 2)
+    _copy_vector(vzero_s, vzero_ptr + vpage * G, G, 2)
 
 
 @gluon.constexpr_function
@@ -404,9 +398,9 @@ _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 @gluon.jit
 def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
                  kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, H: gl.constexpr, D: gl.constexpr,
-                 G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, W: gl.constexpr):
+                 G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr):
     """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split), its slot buffers
-    with the first slot's pages on their way (two cp.async groups, keys then values, copied by W warps), and the
+    with the first slot's pages on their way (two cp.async groups, keys then values), and the
     page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
     per_split = gl.cdiv(n_paged, NSPLIT)
@@ -420,9 +414,9 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
     kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
     vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
     if start < end:
-        _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, W)
+        _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
         async_copy.commit_group()
-        _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, W)
+        _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
         async_copy.commit_group()
     # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use.
     # A program without slots reads no table entry (a sequence's row may have none)
@@ -465,7 +459,7 @@ def _gluon_paged_kernel(
     D4: gl.constexpr = D // 4
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, H, D, G, NB, V_BITS, 1)
+        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, H, D, G, NB, V_BITS)
     q_rows, hmask_b, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
 
     mma: gl.constexpr = _mma()
@@ -485,7 +479,7 @@ def _gluon_paged_kernel(
         s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D, G, NB)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
         if more:
-            _copy_keys(kbufs, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, 1)
+            _copy_keys(kbufs, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
         async_copy.commit_group()
         async_copy.wait_group(1)                    # this slot's values are in (the next slot's keys may not be)
         _BARRIER()
@@ -493,7 +487,7 @@ def _gluon_paged_kernel(
                                                                 acc2, acc3, D, G, V_BITS)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
-            _copy_values(vbufs, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, 1)
+            _copy_values(vbufs, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
         async_copy.commit_group()
         kpage = kpage_next
         kpage_next = kpage_after

@@ -85,20 +85,18 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90, maxnreg: int = 255, warpgroup: bool = False):
-    """The Gluon kernel of decode_attention(kernel="gluon"), or with warpgroup that of kernel="wgmma"
-    (kernels/decode_wgmma.py), for the same example cache as compile_split_kernel."""
+                         splits: int = 16, arch: int = 90, maxnreg: int = 255):
+    """The Gluon kernel of decode_attention(kernel="gluon"), for the same example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
-    from kernels.decode_wgmma import WARPS, _wgmma_paged_kernel
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
     args, constants = kernel_arguments(q, kv, 1.0, parts, splits)
-    return _compile(GluonASTSource, _wgmma_paged_kernel if warpgroup else _gluon_paged_kernel, args, constants, arch,
-                    {"num_warps": WARPS.value if warpgroup else 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
+    return _compile(GluonASTSource, _gluon_paged_kernel, args, constants, arch,
+                    {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
 
 def _compile(source_class, fn, args, constants, arch, options):
@@ -169,9 +167,9 @@ def main(argv=None) -> int:
                         help="warps per program (the Triton kernel's num_warps, or the rest kernel's rest_warps; the "
                              "Gluon kernel's programs are one warp)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
-    parser.add_argument("--kernel", choices=["triton", "gluon", "wgmma", "rest"], default="triton",
-                        help="decode_attention's kernel over the paged blocks (gluon: kernels/decode_gluon.py, wgmma: "
-                             "kernels/decode_wgmma.py), or the one over the remaining blocks (rest: "
+    parser.add_argument("--kernel", choices=["triton", "gluon", "rest"], default="triton",
+                        help="decode_attention's kernel over the paged blocks (gluon: "
+                             "kernels/decode_gluon.py), or the one over the remaining blocks (rest: "
                              "kernels/decode_rest.py, no loop)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's "
@@ -183,9 +181,8 @@ def main(argv=None) -> int:
         return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
-        if args.kernel in ("gluon", "wgmma"):
-            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
-                                            warpgroup=args.kernel == "wgmma")
+        if args.kernel == "gluon":
+            compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255)
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps)
         else:
