@@ -494,20 +494,22 @@ def default_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int = 13
 
 
 # The Gluon kernel's split (balanced_splits): fewer programs than a full wave where that evens out the pages of the
-# busiest multiprocessor, down to this many programs on each (2 warps a scheduler; at 6 the kernel ran 17 % slower
-# at batch 8 / 32K), if it takes at least BALANCE_GAIN off that load
+# busiest scheduler, down to this many programs a multiprocessor (2 warps a scheduler; at 6 the kernel ran 17 %
+# slower at batch 8 / 32K), if it takes at least BALANCE_GAIN off that load
 MIN_BALANCED_PROGRAMS = 8
 BALANCE_GAIN = 0.03
+SCHEDULERS_PER_SM = 4
 
 
 def balanced_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int, resident: int) -> int:
     """Programs over the paged blocks per (sequence, KV head) for the Gluon kernel: one page each where all of them
-    fit one wave (batch 2 / 4K: 12.9 against 14.2 us at two pages each); else the split whose busiest multiprocessor
-    has the fewest pages to do, ceil(programs / multiprocessors) x ceil(pages / split), among the waves of
+    fit one wave (batch 2 / 4K: 12.9 against 14.1 us at two pages each); else the split whose busiest warp scheduler
+    has the fewest pages to do, ceil(programs a multiprocessor / 4) x ceil(pages / split), among the waves of
     MIN_BALANCED_PROGRAMS to `resident` programs a multiprocessor, unless it is within BALANCE_GAIN of the full
-    wave's. Why: a one-warp program's speed hardly depends on 8 or 12 of them sharing a multiprocessor, but the
-    busiest multiprocessor sets the time (batch 8 / 32K: 16 splits, 8 programs a multiprocessor with 16 pages each,
-    74.6 us; the full wave's 24 splits, 12 programs with 11 pages, 77.8 us; BENCHMARKS.md section 1, session 16)."""
+    wave's. Why: the one-warp programs of a multiprocessor share its 4 schedulers, and the one with the most warps
+    sets the time (batch 8 / 32K: 16 splits, 8 programs a multiprocessor, 2 a scheduler with 16 pages each, 74.0-74.6
+    us; the full wave's 24 splits, 3 a scheduler with 11 pages, 77.6-77.8 us; batch 4 / 32K: 37 splits, 9 programs,
+    so 3 on one scheduler with 7 pages, 49.2 us, where 33 splits took 45.8; BENCHMARKS.md section 1, session 16)."""
     pairs = batch * kv_heads
     if pairs * max_pages <= resident * sm_count:
         return max(1, min(max_pages, 256))
@@ -516,7 +518,8 @@ def balanced_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int, re
         return max(1, min(programs_per_sm * sm_count // pairs, max_pages, 256))
 
     def busiest(n):
-        return -(-pairs * n // sm_count) * -(-max_pages // n)
+        per_sm = -(-pairs * n // sm_count)
+        return -(-per_sm // SCHEDULERS_PER_SM) * -(-max_pages // n)
 
     full = split(resident)
     best = min((split(r) for r in range(min(MIN_BALANCED_PROGRAMS, resident), resident + 1)), key=busiest)
