@@ -578,6 +578,10 @@ KERNELS = ("auto", "triton", "gluon")
 # applies.
 GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor, as at 129-167 (decode_gluon.resident_programs);
                               # 128 gives 16, with spills (measured slower), 176-255 fewer
+# ... and where the split leaves at most 8 programs a multiprocessor (balanced_splits), which 192 registers still
+# hold, 192: the compiler's own 176 then schedule the page loop better, 1-3 % faster at batches 2-16 / 32K
+# (BENCHMARKS.md section 1, session 16)
+GLUON_MAXNREG_FEW = 192
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
@@ -589,6 +593,16 @@ def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_war
         from . import decode_gluon
         return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg))
     return default_splits(*shape, resident_programs(maxnreg, num_warps))
+
+
+def gluon_maxnreg(q: torch.Tensor, kv: PagedKV, num_splits: int) -> int:
+    """The Gluon kernel's default register cap for a launch of num_splits programs per (sequence, KV head):
+    GLUON_MAXNREG_FEW where they are at most as many a multiprocessor as that cap leaves resident, else
+    GLUON_MAXNREG."""
+    from . import decode_gluon
+    per_sm = -(-q.shape[0] * kv.k_fp.shape[1] * num_splits // multiprocessors(q.device))
+    few = per_sm <= decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG_FEW)
+    return GLUON_MAXNREG_FEW if few else GLUON_MAXNREG
 
 
 def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
@@ -606,7 +620,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default: split_count);
     num_warps / num_stages: the Triton kernel's warps per program and software-pipelining depth (the Gluon kernel's
     programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned on the H200:
-    MAXNREG for Triton, GLUON_MAXNREG for the Gluon kernel; 255 leaves it to the compiler). kernel: that kernel,
+    MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that kernel,
     "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto"
     (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps). With a
     workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
@@ -620,10 +634,11 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     elif kernel == "gluon":
         from . import decode_gluon
         kernel = kernel if decode_gluon.supports(q, kv) else "triton"
-    if maxnreg is None:
-        maxnreg = GLUON_MAXNREG if kernel == "gluon" else MAXNREG
     if num_splits is None:
-        num_splits = split_count(q, kv, kernel, maxnreg, num_warps)
+        num_splits = split_count(q, kv, kernel, maxnreg or (GLUON_MAXNREG if kernel == "gluon" else MAXNREG),
+                                 num_warps)
+    if maxnreg is None:
+        maxnreg = gluon_maxnreg(q, kv, num_splits) if kernel == "gluon" else MAXNREG
     rest = rest_parts(kv)
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))

@@ -20,9 +20,10 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (KERNELS, MAGIC, DecodeWorkspace, balanced_splits, decode_attention,
-                                      decode_attention_ref, default_splits, field_weights, gather_kv, merge_blocks,
-                                      merge_splits, split_count, unpack_asm)
+from kernels.decode_attention import (GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC, DecodeWorkspace,
+                                      balanced_splits, decode_attention, decode_attention_ref, default_splits,
+                                      field_weights, gather_kv, gluon_maxnreg, merge_blocks, merge_splits, split_count,
+                                      unpack_asm)
 from kernels.decode_rest import rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
@@ -251,13 +252,13 @@ GLUON_CASES = [
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
 def test_gluon_decode_attention_matches_reference(case):
-    """The Gluon kernel with one split (programs of many slots: every buffer refilled many times), three, and the
-    default split, at the compiler's registers and the default cap, against the reference and the Triton kernel;
-    the partials and the output poisoned first, so that an unwritten element fails. Its arithmetic is not the Triton
-    kernel's (fp16 operands for both query dtypes, products with ones for the zero terms and the sums of p): it
-    must be about as close to the reference as the Triton kernel (within 25 %), or within a quarter of the
-    tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton kernel's operands are bf16),
-    0.8-1.08x the Triton kernel's error with fp16 ones."""
+    """The Gluon kernel with one split (programs of many slots: every buffer refilled many times) at the compiler's
+    registers, three at a cap of 168, and the default split and cap (gluon_maxnreg: 192 or 168), against the
+    reference and the Triton kernel; the partials and the output poisoned first, so that an unwritten element
+    fails. Its arithmetic is not the Triton kernel's (fp16 operands for both query dtypes, products with ones for
+    the zero terms and the sums of p): it must be about as close to the reference as the Triton kernel (within
+    25 %), or within a quarter of the tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton
+    kernel's operands are bf16), 0.8-1.08x the Triton kernel's error with fp16 ones."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
@@ -266,9 +267,9 @@ def test_gluon_decode_attention_matches_reference(case):
     assert decode_gluon.supports(q, kv)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-    for splits, maxnreg in ((1, 255), (3, 168), (split_count(q, kv, "gluon", 168), 168)):
+    for splits, maxnreg in ((1, 255), (3, 168), (None, None)):          # None: the defaults
         workspace = DecodeWorkspace()
-        for buffer in workspace.get(q, splits + rest_parts(kv)):
+        for buffer in workspace.get(q, (splits or split_count(q, kv, "gluon", GLUON_MAXNREG)) + rest_parts(kv)):
             buffer.fill_(float("nan"))
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon", maxnreg=maxnreg,
                                workspace=workspace)
@@ -365,6 +366,16 @@ def test_gluon_splits_are_the_h200_sweeps_best():
                       (16, 32768): 8, (32, 32768): 6, (64, 32768): 3}
     # fewer resident programs than the balanced minimum: a full wave of them
     assert balanced_splits(64, 8, 256, 132, 4) == 1 and balanced_splits(8, 8, 256, 132, 6) == 12
+
+
+def test_gluon_register_cap_follows_the_programs_a_multiprocessor():
+    """gluon_maxnreg: 192 registers where a launch's programs are at most the 8 a multiprocessor holds at 192, else
+    168 (on a CPU, 4 multiprocessors stand in)."""
+    from kernels.sass_profile import example_paged_kv
+    kv = example_paged_kv("kitty-pro", 8, 128, torch.bfloat16)
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    assert gluon_maxnreg(q, kv, 4) == GLUON_MAXNREG_FEW            # 8 heads x 4 splits over 4: 8 a multiprocessor
+    assert gluon_maxnreg(q, kv, 5) == GLUON_MAXNREG                # 10
 
 
 def test_merge_blocks_split_channels_only_while_rows_are_few():
