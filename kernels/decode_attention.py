@@ -579,8 +579,8 @@ KERNELS = ("auto", "triton", "gluon")
 GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor, as at 129-167 (decode_gluon.resident_programs);
                               # 128 gives 16, with spills (measured slower), 176-255 fewer
 # ... and where the split leaves at most 8 programs a multiprocessor (balanced_splits), which 192 registers still
-# hold, 192: the compiler's own 176 then schedule the page loop better, 1-3 % faster at batches 2-16 / 32K
-# (BENCHMARKS.md section 1, session 16)
+# hold, 192: the compiler's own 176 then schedule the page loop better, 1-4 % faster at 11 of the 12 Qwen3-8B shapes
+# that take it (batches 1-16 / 32K, 1-64 / 4K; BENCHMARKS.md section 1, session 16, call 4)
 GLUON_MAXNREG_FEW = 192
 
 
