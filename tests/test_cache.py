@@ -611,8 +611,10 @@ def test_teacher_forcing_in_chunks_between_page_boundaries_equals_one_token_a_st
             patch.setattr(analysis, "page_lengths", lambda *args: None)
             stepped = analysis.teacher_forced_logprobs(model, ids, make_cache(model, config), prefix=5)
         assert chunked.shape == stepped.shape == (225, 256)
-        if DEVICE == "cpu":                     # float32 references on both paths: equal up to rounding
-            torch.testing.assert_close(chunked, stepped, atol=1e-4, rtol=0)
+        if DEVICE == "cpu":
+            # float32 references on both paths: equal up to rounding, which differs by CPU (on the 2-core Xeon of
+            # 2026-12-02, 17 of 57,600 log-probabilities 1.0-1.4e-4 apart, where earlier machines stayed under 1e-4)
+            torch.testing.assert_close(chunked, stepped, atol=5e-4, rtol=0)
         else:
             # On a GPU a decode step runs the Triton decode kernel (16-bit operands in its dot products) and a
             # chunk runs float32 SDPA over dequantized pages: they differ by the kernel's own precision, measured on
