@@ -40,8 +40,10 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     GPU unless use_triton=False, torch otherwise. Random and query-aware channel selection always take the torch
     path.
     decode_kernel: the decode-attention kernel over a GPU cache's pages (kernels.decode_attention): "triton",
-    "gluon" (kernels/decode_gluon.py; what it cannot take runs on Triton) or "auto" (default: Gluon wherever it
-    applies, 1.2-1.6x faster than Triton at every shape the H200 measured).
+    "gluon" (kernels/decode_gluon.py, pages copied by cp.async; what it cannot take runs on Triton), "gluon-tma"
+    (the same with TMA copies, Hopper only) or "auto" (default: "gluon-tma" on Hopper, "gluon" on other GPUs
+    wherever it applies; the Gluon kernel was 1.2-1.6x faster than Triton at every shape the H200 measured, and
+    its TMA copies up to 11 % faster than cp.async).
     Switches `model` to the "kitty" attention function, which is plain SDPA for any other cache."""
     config = method if isinstance(method, CacheConfig) else method_config(method, **settings)
     use_kitty_attention(model)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats", "SchedulerStats",
             "WarpStateStats", "SourceCounters")
-DEFAULT_BENCH = ["--kernels", "gluon", "--methods", "kitty-pro", "--batches", "64", "--lengths", "32768"]
+DEFAULT_BENCH = ["--kernels", "auto", "--methods", "kitty-pro", "--batches", "64", "--lengths", "32768"]
 # the source page's column of the instruction text, and the stall-sample column the ranking uses where present
 SOURCE_COLUMN = "Source"
 SAMPLES = re.compile(r"warp stall sampling \(all", re.IGNORECASE)

@@ -569,7 +569,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -582,14 +582,19 @@ GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor, as at 1
 # hold, 192: the compiler's own 176 then schedule the page loop better, 1-4 % faster at 11 of the 12 Qwen3-8B shapes
 # that take it (batches 1-16 / 32K, 1-64 / 4K; BENCHMARKS.md section 1, session 16, call 4)
 GLUON_MAXNREG_FEW = 192
+# "gluon-tma": the Gluon kernel with its pages copied by TMA instead of cp.async (decode_gluon's _tma_keys: why,
+# there), on Hopper. Measured on the H200 in one run against cp.async (BENCHMARKS.md section 1, session 16, call 5):
+# 446.2 against 482.6 us at batch 64 / 32K, 66.4 against 74.8 at 8 / 32K, 87.9 against 96.1 at 64 / 4K, equal at
+# batch 1: "auto" takes it wherever it applies, and "gluon" (cp.async) elsewhere (GPUs before Hopper)
+GLUON_KERNELS = ("gluon", "gluon-tma")
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
-    """The split of a launch of `kernel` ("triton" or "gluon") at its register cap: default_splits of
+    """The split of a launch of `kernel` ("triton" or one of GLUON_KERNELS) at its register cap: default_splits of
     the programs a multiprocessor holds for the Triton kernel, balanced_splits of those (by registers and shared
     memory) for the Gluon kernel."""
     shape = (q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device))
-    if kernel == "gluon":
+    if kernel in GLUON_KERNELS:
         from . import decode_gluon
         return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg))
     return default_splits(*shape, resident_programs(maxnreg, num_warps))
@@ -606,10 +611,13 @@ def gluon_maxnreg(q: torch.Tensor, kv: PagedKV, num_splits: int) -> int:
 
 
 def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
-    """decode_attention(kernel="auto")'s choice: "gluon" for a launch it supports (decode_gluon.supports: a GPU,
-    16-bit queries, tileable pages) with one-warp programs, else "triton"."""
+    """decode_attention(kernel="auto")'s choice for one-warp programs: "gluon-tma" for a launch it supports
+    (decode_gluon.supports_tma: a Hopper GPU), else "gluon" for one the Gluon kernel supports (decode_gluon.supports:
+    a GPU, 16-bit queries, tileable pages), else "triton"."""
     from . import decode_gluon
-    return "gluon" if num_warps == 1 and decode_gluon.supports(q, kv) else "triton"
+    if num_warps != 1 or not decode_gluon.supports(q, kv):
+        return "triton"
+    return "gluon-tma" if decode_gluon.supports_tma(q, kv) else "gluon"
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
@@ -621,8 +629,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     num_warps / num_stages: the Triton kernel's warps per program and software-pipelining depth (the Gluon kernel's
     programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned on the H200:
     MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that kernel,
-    "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton) or "auto"
-    (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps). With a
+    "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
+    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback) or "auto" (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps). With a
     workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
@@ -631,14 +639,15 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     q = q.contiguous()
     if kernel == "auto":
         kernel = choose_kernel(q, kv, num_warps)
-    elif kernel == "gluon":
+    elif kernel in GLUON_KERNELS:
         from . import decode_gluon
-        kernel = kernel if decode_gluon.supports(q, kv) else "triton"
+        kernel = kernel if (decode_gluon.supports_tma if kernel == "gluon-tma" else decode_gluon.supports)(q, kv) \
+            else "triton"
     if num_splits is None:
-        num_splits = split_count(q, kv, kernel, maxnreg or (GLUON_MAXNREG if kernel == "gluon" else MAXNREG),
+        num_splits = split_count(q, kv, kernel, maxnreg or (GLUON_MAXNREG if kernel in GLUON_KERNELS else MAXNREG),
                                  num_warps)
     if maxnreg is None:
-        maxnreg = gluon_maxnreg(q, kv, num_splits) if kernel == "gluon" else MAXNREG
+        maxnreg = gluon_maxnreg(q, kv, num_splits) if kernel in GLUON_KERNELS else MAXNREG
     rest = rest_parts(kv)
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
@@ -651,9 +660,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     # no faster than noise at batch 64: BENCHMARKS.md section 1, sessions 12 to 14.)
     dot = dot_dtype(q.dtype)
     launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps)
-    if kernel == "gluon":
+    if kernel in GLUON_KERNELS:
         from . import decode_gluon
-        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg)
+        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma=kernel == "gluon-tma")
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
         _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps, num_stages=num_stages,

@@ -37,6 +37,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .layout import PagedKV
 
@@ -298,8 +299,8 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
 # method does not have (no boosted channels, 2-bit values) gets a placeholder that nothing reads, which the compiler
 # drops.
 @gluon.constexpr_function
-def _plane_shared():
-    return gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+def _plane_shared(TMA):
+    return _tma_shared(8) if TMA else gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
 
 @gluon.constexpr_function
@@ -339,25 +340,131 @@ def _copy_plane(buf, ptr, page, R: gl.constexpr, K: gl.constexpr, C: gl.constexp
 
 
 @gluon.jit
-def _key_buffers(D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr):
-    """Shared memory for a key page's tiles: low plane, high plane, boosted channels, scales, zeros."""
+def _key_buffers(D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, TMA: gl.constexpr):
+    """Shared memory for a key page's tiles: low plane, high plane, boosted channels, scales, zeros (the planes in
+    the layout TMA writes, with TMA)."""
     flat: gl.constexpr = _flat_shared()
-    return (gl.allocate_shared_memory(gl.uint8, _plane_shape(G // 4, D, KC, True), _plane_shared()),
+    return (gl.allocate_shared_memory(gl.uint8, _plane_shape(G // 4, D, KC, True), _plane_shared(TMA)),
             gl.allocate_shared_memory(gl.uint8, _plane_shape(G // 4, NB, _chunk(max(NB, 16)), NB > 0),
-                                      _plane_shared()),
+                                      _plane_shared(TMA)),
             gl.allocate_shared_memory(gl.uint8, [max(NB, 16)], flat),
             gl.allocate_shared_memory(gl.float16, [D], flat),
             gl.allocate_shared_memory(gl.float16, [D], flat))
 
 
 @gluon.jit
-def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr):
+def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr):
     """Shared memory for a value page's tiles: low plane, high plane, scales, zeros."""
     flat: gl.constexpr = _flat_shared()
-    return (gl.allocate_shared_memory(gl.uint8, _plane_shape(D // 4, G, G // 4, True), _plane_shared()),
-            gl.allocate_shared_memory(gl.uint8, _plane_shape(D // 4, G, G // 4, V_BITS == 4), _plane_shared()),
+    return (gl.allocate_shared_memory(gl.uint8, _plane_shape(D // 4, G, G // 4, True), _plane_shared(TMA)),
+            gl.allocate_shared_memory(gl.uint8, _plane_shape(D // 4, G, G // 4, V_BITS == 4), _plane_shared(TMA)),
             gl.allocate_shared_memory(gl.float16, [G], flat),
             gl.allocate_shared_memory(gl.float16, [G], flat))
+
+
+# ------------------------------------------------------------------------------------------- the same copies by TMA
+# decode_attention(kernel="gluon-tma", the default on Hopper): each chunk of a plane is one TMA box of (rows, 16 or 32 bytes), the vectors
+# boxes of one row, all on one mbarrier per kind that counts the page's bytes. Why: cp.async writes a page row's 4
+# chunks on the same banks (ncu: 16 shared-memory wavefronts an instruction where 4 would do, 262 a page where 71
+# would), and its 23 instructions a page carry their own address arithmetic; a TMA box is written whole, by one
+# instruction. Measured on the H200: 7.5-11 % faster at batches 8 and 64, equal at batch 1, with 50 more instructions
+# in the page loop (1,428: the uniform datapath's address arithmetic, 14 more barriers, 2 proxy fences) and DRAM
+# throughput 64 -> 72 % (ncu; BENCHMARKS.md section 1, session 16, call 5).
+@gluon.constexpr_function
+def _tma_shared(bits):
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
+
+
+@gluon.jit
+def _tma_vector(desc, row, bar, buf, N: gl.constexpr, DTYPE: gl.constexpr, BITS: gl.constexpr):
+    """Row `row` of a (rows, N) tensor into the flat vector buf."""
+    tma.async_copy_global_to_shared(desc, [row, 0], bar, buf._reinterpret(DTYPE, [1, N], _tma_shared(BITS)))
+
+
+@gluon.jit
+def _tma_keys(kbufs, bar, kpage, klow_d, khigh_d, kch_d, kscale_d, kzero_d, D: gl.constexpr, G: gl.constexpr,
+              NB: gl.constexpr):
+    """TMA of key page `kpage`'s tiles into kbufs, counted on mbarrier bar."""
+    klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
+    G4: gl.constexpr = G // 4
+    mbarrier.expect(bar, G4 * (D + NB) + NB + 4 * D)
+    row = (kpage * G4).to(gl.int32)
+    for c in gl.static_range(D // KC):
+        tma.async_copy_global_to_shared(klow_d, [row, c * KC], bar, klow_s.slice(c * G4, G4))
+    _tma_vector(kscale_d, kpage.to(gl.int32), bar, kscale_s, D, gl.float16, 16)
+    _tma_vector(kzero_d, kpage.to(gl.int32), bar, kzero_s, D, gl.float16, 16)
+    if NB > 0:
+        NBC: gl.constexpr = _chunk(NB)
+        for c in gl.static_range(NB // NBC):
+            tma.async_copy_global_to_shared(khigh_d, [row, c * NBC], bar, khigh_s.slice(c * G4, G4))
+        _tma_vector(kch_d, kpage.to(gl.int32), bar, ch_s, NB, gl.uint8, 8)
+
+
+@gluon.jit
+def _tma_values(vbufs, bar, vpage, vlow_d, vhigh_d, vscale_d, vzero_d, D: gl.constexpr, G: gl.constexpr,
+                V_BITS: gl.constexpr):
+    """TMA of value page `vpage`'s tiles into vbufs, counted on mbarrier bar."""
+    vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
+    D4: gl.constexpr = D // 4
+    G4: gl.constexpr = G // 4
+    mbarrier.expect(bar, D4 * G * (V_BITS // 2) + 4 * G)
+    row = (vpage * D4).to(gl.int32)
+    for i in gl.static_range(4):
+        tma.async_copy_global_to_shared(vlow_d, [row, i * G4], bar, vlow_s.slice(i * D4, D4))
+        if V_BITS == 4:
+            tma.async_copy_global_to_shared(vhigh_d, [row, i * G4], bar, vhigh_s.slice(i * D4, D4))
+    _tma_vector(vscale_d, vpage.to(gl.int32), bar, vscale_s, G, gl.float16, 16)
+    _tma_vector(vzero_d, vpage.to(gl.int32), bar, vzero_s, G, gl.float16, 16)
+
+
+@gluon.jit
+def _barrier_pair():
+    """Two initialised mbarriers (a key and a value buffer's), visible to TMA."""
+    kbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    vbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kbar, count=1)
+    mbarrier.init(vbar, count=1)
+    fence_async_shared()
+    return kbar, vbar
+
+
+@gluon.jit
+def _fetch_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D: gl.constexpr, G: gl.constexpr,
+                NB: gl.constexpr, TMA: gl.constexpr):
+    """Key page `kpage` on its way into kbufs: by TMA on kbar (klow...: tensor descriptors), or as one cp.async
+    group (klow...: pointers)."""
+    if TMA:
+        _tma_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D, G, NB)
+    else:
+        _copy_keys(kbufs, kpage, klow, khigh, kch, kscale, kzero, D, G, NB)
+
+
+@gluon.jit
+def _fetch_values(vbufs, vbar, vpage, vlow, vhigh, vscale, vzero, D: gl.constexpr, G: gl.constexpr,
+                  V_BITS: gl.constexpr, TMA: gl.constexpr):
+    """Value page `vpage` on its way into vbufs, as _fetch_keys."""
+    if TMA:
+        _tma_values(vbufs, vbar, vpage, vlow, vhigh, vscale, vzero, D, G, V_BITS)
+    else:
+        _copy_values(vbufs, vpage, vlow, vhigh, vscale, vzero, D, G, V_BITS)
+
+
+@gluon.jit
+def _commit(TMA: gl.constexpr):
+    """Close a cp.async group (every slot commits one per kind, empty or not, so that wait_group(1) counts
+    slots); TMA counts bytes on its mbarriers instead."""
+    if not TMA:
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _arrived(bar, phase, TMA: gl.constexpr):
+    """Wait for the oldest buffer in flight: its mbarrier's phase with TMA, else all but the newest cp.async
+    group."""
+    if TMA:
+        mbarrier.wait(bar, phase)
+    else:
+        async_copy.wait_group(1)
 
 
 @gluon.jit
@@ -398,11 +505,11 @@ _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 @gluon.jit
 def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
-                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, H: gl.constexpr, D: gl.constexpr,
-                 G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr):
+                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
+                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr):
     """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split), its slot buffers
-    with the first slot's pages on their way (two cp.async groups, keys then values), and the
-    page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
+    with the first slot's pages on their way (keys then values: _fetch_keys), and the page ids the loop starts
+    from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
     per_split = gl.cdiv(n_paged, NSPLIT)
     start = part * per_split
@@ -410,15 +517,15 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
     last = gl.maximum(end - 1, 0)
     ktab = ktab_ptr + b * KMP
     vtab = vtab_ptr + b * VMP
-    kbufs = _key_buffers(D, G, NB)
-    vbufs = _value_buffers(D, G, V_BITS)
+    kbufs = _key_buffers(D, G, NB, TMA)
+    vbufs = _value_buffers(D, G, V_BITS, TMA)
     kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
     vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
     if start < end:
-        _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
-        async_copy.commit_group()
-        _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
-        async_copy.commit_group()
+        _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
+        _commit(TMA)
+        _fetch_values(vbufs, vbar, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
+        _commit(TMA)
     # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use.
     # A program without slots reads no table entry (a sequence's row may have none)
     kpage_next = gl.load(ktab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
@@ -445,22 +552,29 @@ def _queries(q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
 @gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART"])
 def _gluon_paged_kernel(
         q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
-        vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
+        vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kscale_rows,
         ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr,
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr):
+        V_BITS: gl.constexpr, TMA: gl.constexpr):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
-    _program_slots split), written as partial (output, max, sum) number `part`."""
+    _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
+    tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors;
+    kscale_rows: the key scales as a pointer, for the boosted channels' gather."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     part = gl.program_id(2)
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
+    if TMA:
+        kbar, vbar = _barrier_pair()
+    else:
+        kbar = 0                                    # cp.async groups need no barrier
+        vbar = 0
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, H, D, G, NB, V_BITS)
+        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA)
     q_rows, hmask_b, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
 
     mma: gl.constexpr = _mma()
@@ -471,29 +585,32 @@ def _gluon_paged_kernel(
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc3 = gl.zeros([D4, HEADS], gl.float32, mma)
+    phase = 0
     for slot in range(start, end):
         more = slot + 1 < end
         kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-        async_copy.wait_group(1)                    # this slot's keys are in (its values may not be)
+        _arrived(kbar, phase, TMA)                  # this slot's keys are in (its values may not be)
         _BARRIER()                                  # ... for every lane (and, the first time, the queries)
-        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D, G, NB)
+        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
         if more:
-            _copy_keys(kbufs, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB)
-        async_copy.commit_group()
-        async_copy.wait_group(1)                    # this slot's values are in (the next slot's keys may not be)
+            _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
+        _commit(TMA)
+        _arrived(vbar, phase, TMA)                  # this slot's values are in (the next slot's keys may not be)
         _BARRIER()
         m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1,
                                                                 acc2, acc3, D, G, V_BITS)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
-            _copy_values(vbufs, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS)
-        async_copy.commit_group()
+            _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
+        _commit(TMA)
+        phase = phase ^ 1
         kpage = kpage_next
         kpage_next = kpage_after
         vpage_next = vpage_after
-    async_copy.wait_group(0)
+    if not TMA:
+        async_copy.wait_group(0)
 
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
     hmask = heads < GROUP
@@ -513,16 +630,17 @@ def _gluon_paged_kernel(
 SHARED_PER_SM = 228 * 1024          # H100 / H200: shared memory of a multiprocessor, and what each program reserves
 SHARED_RESERVED = 1024
 CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one token quarter at a time
+TMA_BARRIERS = 24                   # two 8-byte mbarriers and their alignment
 
 
-def shared_bytes(kv: PagedKV, head_dim: int) -> int:
-    """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers and the conversion
-    scratch (the placeholders of planes the method lacks are never used, and the compiler drops them;
-    tests/test_kernels.py checks this against compiled kernels)."""
+def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False) -> int:
+    """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers, the conversion scratch
+    and, with TMA, the two mbarriers as the compiler places them (the placeholders of planes the method lacks are
+    never used, and the compiler drops them; tests/test_kernels.py checks this against compiled kernels)."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + nb + 4 * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
-    return 16 * d + CONVERT_SCRATCH + key + value
+    return 16 * d + CONVERT_SCRATCH + key + value + (TMA_BARRIERS if use_tma else 0)
 
 
 def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
@@ -535,22 +653,51 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, by_shared))
 
 
-def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
+def tma_descriptors(kv: PagedKV, head_dim: int) -> tuple:
+    """The page tensors as the TMA path reads them: each a 2-D view (page x head x row, column) with a box of one
+    chunk of a plane, or of one row of a vector. A plane the method lacks gets the low plane's descriptor (never
+    read)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    g, nb, d = kv.page_size, kv.n_boost, head_dim
+
+    def desc(t, columns, box, bits=8):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)      # _tma_shared
+        return TensorDescriptor.from_tensor(t.view(-1, columns), box, layout)
+
+    klow = desc(kv.k_low, d, [g // 4, KC.value])
+    vlow = desc(kv.v_low, g, [d // 4, g // 4])
+    khigh = desc(kv.k_high, nb, [g // 4, min(nb, KC.value)]) if nb else klow
+    return (klow, khigh, desc(kv.k_ch, nb, [1, nb]) if nb else klow, desc(kv.k_scale, d, [1, d], 16),
+            desc(kv.k_zero, d, [1, d], 16), vlow, desc(kv.v_high, g, [d // 4, g // 4]) if kv.v_bits == 4 else vlow,
+            desc(kv.v_scale, g, [1, g], 16), desc(kv.v_zero, g, [1, g], 16))
+
+
+def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
+                     use_tma: bool = False) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
-    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials.
-    Also used to compile the kernel for a profile (kernels.sass_profile)."""
+    decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
+    use_tma the TMA copies (tma_descriptors). Also used to compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
-    args = (q, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high, kv.v_scale, kv.v_zero,
-            kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l, qk_scale,
-            kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
-    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits)
+    pages = (tma_descriptors(kv, d) if use_tma else
+             (kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high, kv.v_scale, kv.v_zero))
+    args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
+            qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
+    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma)
     return args, constants
 
 
-def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int) -> None:
+def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
+    """Whether the TMA copies take this launch (besides supports): a Hopper GPU (the only kind they were measured
+    on), boxes of at least 16 bytes."""
+    return (supports(q, kv) and torch.cuda.get_device_capability(q.device)[0] == 9 and kv.page_size // 4 >= 16
+            and kv.n_boost in (0, 16, 32, 64, 128))
+
+
+def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
+           use_tma: bool = False) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

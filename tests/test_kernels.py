@@ -20,7 +20,7 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC, DecodeWorkspace,
+from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC, DecodeWorkspace,
                                       balanced_splits, decode_attention, decode_attention_ref, default_splits,
                                       field_weights, gather_kv, gluon_maxnreg, merge_blocks, merge_splits, split_count,
                                       unpack_asm)
@@ -250,28 +250,32 @@ GLUON_CASES = [
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
+@pytest.mark.parametrize("kernel", GLUON_KERNELS)
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
-def test_gluon_decode_attention_matches_reference(case):
+def test_gluon_decode_attention_matches_reference(case, kernel):
     """The Gluon kernel with one split (programs of many slots: every buffer refilled many times) at the compiler's
     registers, three at a cap of 168, and the default split and cap (gluon_maxnreg: 192 or 168), against the
     reference and the Triton kernel; the partials and the output poisoned first, so that an unwritten element
     fails. Its arithmetic is not the Triton kernel's (fp16 operands for both query dtypes, products with ones for
     the zero terms and the sums of p): it must be about as close to the reference as the Triton kernel (within
     25 %), or within a quarter of the tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton
-    kernel's operands are bf16), 0.8-1.08x the Triton kernel's error with fp16 ones."""
+    kernel's operands are bf16), 0.8-1.08x the Triton kernel's error with fp16 ones. The TMA copies
+    (kernel="gluon-tma") move the same bytes: the same bar, on Hopper."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
+    if kernel == "gluon-tma" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs a Hopper GPU")
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
                                v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
-    assert decode_gluon.supports(q, kv)
+    assert (decode_gluon.supports_tma if kernel == "gluon-tma" else decode_gluon.supports)(q, kv)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
     for splits, maxnreg in ((1, 255), (3, 168), (None, None)):          # None: the defaults
         workspace = DecodeWorkspace()
-        for buffer in workspace.get(q, (splits or split_count(q, kv, "gluon", GLUON_MAXNREG)) + rest_parts(kv)):
+        for buffer in workspace.get(q, (splits or split_count(q, kv, kernel, GLUON_MAXNREG)) + rest_parts(kv)):
             buffer.fill_(float("nan"))
-        out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon", maxnreg=maxnreg,
+        out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel=kernel, maxnreg=maxnreg,
                                workspace=workspace)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
@@ -317,14 +321,18 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
         import torch
         from kernels.decode_gluon import shared_bytes
         from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
-        for method, dtype, maxnreg in (("kitty-pro", torch.bfloat16, 255), ("kivi-k2v2", torch.float16, 255),
-                                       ("kitty", torch.bfloat16, 255), ("kitty-pro", torch.bfloat16, 168)):
-            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=maxnreg)
+        for method, dtype, maxnreg, tma in (("kitty-pro", torch.bfloat16, 255, False),
+                                            ("kivi-k2v2", torch.float16, 255, False),
+                                            ("kitty", torch.bfloat16, 255, False),
+                                            ("kitty-pro", torch.bfloat16, 168, False),
+                                            ("kitty-pro", torch.bfloat16, 168, True)):
+            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=maxnreg, use_tma=tma)
             row = profile(compiled)
-            wide = compiled.asm["ptx"].count("cp.async.cg.shared.global [")
-            planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128)
-            print(method + ("-168" if maxnreg < 255 else ""), row["loop matrix"], row["loop local ld/st"],
-                  row["shared bytes"], planned, wide)
+            ptx = compiled.asm["ptx"]
+            wide = ptx.count("cp.async.bulk.tensor") if tma else ptx.count("cp.async.cg.shared.global [")
+            planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128, use_tma=tma)
+            print(method + ("-168" if maxnreg < 255 else "") + ("-tma" if tma else ""), row["loop matrix"],
+                  row["loop local ld/st"], row["shared bytes"], planned, wide)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
@@ -338,13 +346,16 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     assert rows["kitty-pro"][0] == 4 * (16 + 4 + 16) + ones, run.stdout
     assert rows["kivi-k2v2"][0] == 4 * (16 + 16) + ones, run.stdout
     assert rows["kitty"][0] == 4 * (16 + 2 + 16) + ones, run.stdout
-    # at the default cap of 168 registers (decode_attention.GLUON_MAXNREG): the same page loop
-    assert rows["kitty-pro-168"][0] == rows["kitty-pro"][0], run.stdout
+    # at the default cap of 168 registers (decode_attention.GLUON_MAXNREG), and with TMA copies: the same page loop
+    assert rows["kitty-pro-168"][0] == rows["kitty-pro"][0] == rows["kitty-pro-168-tma"][0], run.stdout
     for method, (matrix, spills, shared, planned, wide) in rows.items():
         assert spills == 0 and shared == planned, run.stdout
     # a page's key and value codes in 16-byte cp.async copies
     assert rows["kitty-pro"][4] >= (4096 + 1024 + 4096) // 16 // 32 and rows["kivi-k2v2"][4] >= 8192 // 16 // 32
     assert rows["kitty"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
+    # with TMA: a box per chunk of each plane and per vector, 14 a kitty-pro page, issued once in the first slots
+    # and once in the loop
+    assert rows["kitty-pro-168-tma"][4] == 2 * 14, run.stdout
 
 
 def test_default_splits_are_the_h200_sweeps_best():
