@@ -320,8 +320,8 @@ def _copy_layout(CH, R, C):
     the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16). (Its
     16-byte pieces of a row land R * C bytes apart in shared memory, on the same banks: ncu counts 16 wavefronts
     an instruction where 4 would do. A quarter warp taking one chunk's rows instead left that count as it was, and
-    Gluon in triton 3.6 lowers neither padded layouts nor slices of rows swizzled by chunk: BENCHMARKS.md section 1,
-    session 16.)"""
+    Gluon in triton 3.6 lowers neither padded layouts nor slices of rows swizzled by chunk; on Hopper the TMA
+    copies below avoid it: BENCHMARKS.md section 1, session 16.)"""
     tk = C // 16
     tc = min(CH, 32 // tk)
     return gl.BlockedLayout([1, 1, 16], [tc, 32 // (tk * tc), tk], [1, 1, 1], [2, 0, 1])
