@@ -14,8 +14,9 @@ instructions per page). Here the layouts are explicit (Gluon), and the page layo
   where it is with every other bit cleared, is the subnormal number code * 4^i * 2^-24 (`QUARTER_ASM`).
 - A page is taken 32 columns at a time (keys: a channel chunk, all 4 token quarters; values: one token quarter,
   all 4 channel quarters), so that one chunk's codes are live at once.
-- Pages arrive by cp.async into one shared-memory buffer per kind, each refilled with the next slot's page as soon
-  as this slot has read it: a page's load latency is spent on half a page of arithmetic.
+- Pages arrive by cp.async (by TMA on Hopper: kernel="gluon-tma") into one shared-memory buffer per kind, each
+  refilled with the next slot's page as soon as this slot has read it: a page's load latency is spent on half a
+  page of arithmetic.
 - The operands' scaling is fp16 arithmetic, two elements an instruction (queries times scales, probabilities times
   scales), and the sums that need no per-element weights are products with a first operand of ones: the keys'
   zero term sum_d q_d * zero_d, the probabilities' sum and their sum times the values' zeros.
@@ -363,8 +364,8 @@ def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr, TMA: 
 
 
 # ------------------------------------------------------------------------------------------- the same copies by TMA
-# decode_attention(kernel="gluon-tma", the default on Hopper): each chunk of a plane is one TMA box of (rows, 16 or 32 bytes), the vectors
-# boxes of one row, all on one mbarrier per kind that counts the page's bytes. Why: cp.async writes a page row's 4
+# decode_attention(kernel="gluon-tma", the default on Hopper): each chunk of a plane is one TMA box of (rows, 16 or
+# 32 bytes), the vectors boxes of one row, all on one mbarrier per kind that counts the page's bytes. Why: cp.async writes a page row's 4
 # chunks on the same banks (ncu: 16 shared-memory wavefronts an instruction where 4 would do, 262 a page where 71
 # would), and its 23 instructions a page carry their own address arithmetic; a TMA box is written whole, by one
 # instruction. Measured on the H200: 7.5-11 % faster at batches 8 and 64, equal at batch 1, with 50 more instructions
