@@ -631,7 +631,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that kernel,
     "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback) or "auto" (choose_kernel). rest_warps:
-    warps a program of the remaining blocks (default: decode_rest.rest_warps). With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
+    warps a program of the remaining blocks (default: decode_rest.rest_warps). With a workspace, its buffers are
+    reused (see DecodeWorkspace); without, they are allocated per call."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
