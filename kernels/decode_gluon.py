@@ -662,8 +662,7 @@ def tma_descriptors(kv: PagedKV, head_dim: int) -> tuple:
     g, nb, d = kv.page_size, kv.n_boost, head_dim
 
     def desc(t, columns, box, bits=8):
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)      # _tma_shared
-        return TensorDescriptor.from_tensor(t.view(-1, columns), box, layout)
+        return TensorDescriptor.from_tensor(t.view(-1, columns), box, _tma_shared(bits))
 
     klow = desc(kv.k_low, d, [g // 4, KC.value])
     vlow = desc(kv.v_low, g, [d // 4, g // 4])

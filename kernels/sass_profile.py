@@ -105,13 +105,14 @@ def _compile(source_class, fn, args, constants, arch, options):
     tensor descriptors the type Triton's launcher would give them."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
     signature, attrs = {}, {}
     for i, (name, value) in enumerate(zip(fn.arg_names, args)):
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + TRITON_TYPES[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif type(value).__name__ == "TensorDescriptor":
+        elif isinstance(value, TensorDescriptor):
             signature[name] = mangle_type(value)
         else:
             signature[name] = "fp32" if isinstance(value, float) else "i32"
