@@ -43,7 +43,8 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     "gluon" (kernels/decode_gluon.py, pages copied by cp.async; what it cannot take runs on Triton), "gluon-tma"
     (the same with TMA copies, Hopper only) or "auto" (default: "gluon-tma" on Hopper, "gluon" on other GPUs
     wherever it applies; the Gluon kernel was 1.2-1.6x faster than Triton at every shape the H200 measured, and
-    its TMA copies up to 11 % faster than cp.async).
+    its TMA copies 3-11 % faster than cp.async at 5 of 6 shapes, equal at the sixth: BENCHMARKS.md section 1,
+    session 16).
     Switches `model` to the "kitty" attention function, which is plain SDPA for any other cache."""
     config = method if isinstance(method, CacheConfig) else method_config(method, **settings)
     use_kitty_attention(model)

@@ -584,8 +584,9 @@ GLUON_MAXNREG = 168           # 12 resident programs per multiprocessor, as at 1
 GLUON_MAXNREG_FEW = 192
 # "gluon-tma": the Gluon kernel with its pages copied by TMA instead of cp.async (decode_gluon's _tma_keys: why,
 # there), on Hopper. Measured on the H200 in one run against cp.async (BENCHMARKS.md section 1, session 16, call 5):
-# 446.2 against 482.6 us at batch 64 / 32K, 66.4 against 74.8 at 8 / 32K, 87.9 against 96.1 at 64 / 4K, equal at
-# batch 1: "auto" takes it wherever it applies, and "gluon" (cp.async) elsewhere (GPUs before Hopper)
+# 446.2 against 482.6 us at batch 64 / 32K, 66.4 against 74.8 at 8 / 32K, 87.9 against 96.1 at 64 / 4K, 18.7
+# against 19.2 at 1 / 32K, equal at 1 / 4K: "auto" takes it wherever it applies, and "gluon" (cp.async) elsewhere
+# (GPUs before Hopper)
 GLUON_KERNELS = ("gluon", "gluon-tma")
 
 

@@ -368,8 +368,8 @@ def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr, TMA: 
 # 32 bytes), the vectors boxes of one row, all on one mbarrier per kind that counts the page's bytes. Why: cp.async
 # writes a page row's 4 chunks on the same banks (ncu: 16 shared-memory wavefronts an instruction where 4 would do,
 # 262 a page where 71 would), and its 23 instructions a page carry their own address arithmetic; a TMA box is written
-# whole, by one instruction. Measured on the H200: 7.5-11 % faster at batches 8 and 64, equal at batch 1, with 50
-# more instructions in the page loop (1,428: the uniform datapath's address arithmetic, 14 more barriers, 2 proxy
+# whole, by one instruction. Measured on the H200: 4-11 % faster at batches 8 and 64, 3 % or less at batch 1, with
+# 50 more instructions in the page loop (1,428: the uniform datapath's address arithmetic, 14 more barriers, 2 proxy
 # fences) and DRAM throughput 64 -> 72 % (ncu; BENCHMARKS.md section 1, session 16, call 5).
 @gluon.constexpr_function
 def _tma_shared(bits):
