@@ -53,8 +53,8 @@ import triton
 import triton.testing
 
 # on a CPU: Triton interpreted
-from kernels.decode_attention import (GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG, DecodeWorkspace,
-                                      choose_kernel, decode_attention, default_splits, merge_splits, multiprocessors,
+from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
+                                      DecodeWorkspace, choose_kernel, decode_attention, default_splits, merge_splits, multiprocessors,
                                       resident_programs, split_count)
 from kernels.decode_rest import rest_blocks
 
@@ -278,8 +278,13 @@ def bench_tune(args) -> dict:
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None)
 
-            def gluon(maxnreg, quarters=4, splits=None, kernel="gluon"):
-                """A Gluon kernel at a register cap, at quarters / 4 of the split it chooses (or at `splits`)."""
+            default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
+            default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
+
+            def gluon(maxnreg, quarters=4, splits=None, kernel=None):
+                """A Gluon kernel (default: the one "auto" takes) at a register cap, at quarters / 4 of the split it
+                chooses (or at `splits`)."""
+                kernel = kernel or default_gluon
                 own = splits or split_count(q, kv, kernel, maxnreg)
                 return {**base, "kernel": kernel, "maxnreg": maxnreg,
                         "splits": max(1, min(pages, own * quarters // 4))}
@@ -296,8 +301,9 @@ def bench_tune(args) -> dict:
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)] + [gluon(GLUON_MAXNREG, splits=(
                           default_splits(batch, h, pages, sm_count, gluon_resident(kv, d, GLUON_MAXNREG))))],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
-                      # the TMA copies (kernel "gluon-tma") at both default caps
-                      "gluon-tma": [gluon(r, kernel="gluon-tma") for r in (GLUON_MAXNREG, GLUON_MAXNREG_FEW)],
+                      # both copy paths (cp.async, TMA: kernel "gluon-tma") at both default caps
+                      "gluon-tma": [gluon(r, kernel=k) for k in ("gluon", "gluon-tma")
+                                    for r in (GLUON_MAXNREG, GLUON_MAXNREG_FEW)],
                       # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
                       # (None: decode_rest.rest_warps, by the launch's programs)
                       "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
