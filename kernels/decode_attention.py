@@ -528,11 +528,13 @@ def balanced_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int, re
 
 class DecodeWorkspace:
     """decode_attention's partial results and output, kept between calls of one layer so that a decode step
-    allocates nothing (and a captured CUDA graph keeps its addresses). The output returned by a call is
-    overwritten by the next call with the same workspace."""
+    allocates nothing (and a captured CUDA graph keeps its addresses), and the TMA descriptors of the layer's
+    pages. The output returned by a call is overwritten by the next call with the same workspace."""
 
     def __init__(self):
         self.buffers: tuple[torch.Tensor, ...] = ()
+        self.descriptor_key: tuple | None = None
+        self.descriptors: tuple = ()
 
     def get(self, q: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, ...]:
         bsz, hq, d = q.shape
@@ -543,6 +545,16 @@ class DecodeWorkspace:
             part_m = torch.empty((bsz, hq, num_parts), dtype=torch.float32, device=q.device)
             self.buffers = (part_o, part_m, torch.empty_like(part_m), torch.empty_like(q))
         return self.buffers
+
+    def tma_descriptors(self, kv: PagedKV, head_dim: int) -> tuple:
+        """decode_gluon.tma_descriptors(kv, head_dim), made again only when a page tensor has moved or changed
+        shape (a cache's pools grow by reallocation): making them takes about 170 us on CI's CPU, in every layer's
+        every decode step that no CUDA graph replays; this check takes 6."""
+        from . import decode_gluon
+        key = (head_dim, *((t.data_ptr(), t.shape, t.stride()) for t in decode_gluon.page_tensors(kv)))
+        if key != self.descriptor_key:
+            self.descriptors, self.descriptor_key = decode_gluon.tma_descriptors(kv, head_dim), key
+        return self.descriptors
 
 
 def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: int) -> tuple[tuple, dict]:
@@ -653,7 +665,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     rest = rest_parts(kv)
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
-    parts = (workspace or DecodeWorkspace()).get(q, num_splits + rest)
+    workspace = workspace or DecodeWorkspace()
+    parts = workspace.get(q, num_splits + rest)
     qk_scale = sm_scale * math.log2(math.e)
     # the remaining blocks first: at batch 1 they are as long as the paged slots' programs of a 4K-token sequence.
     # (On a second stream, concurrent with the paged slots' kernel, they were 1-3 us faster at three of six shapes
@@ -664,7 +677,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps)
     if kernel in GLUON_KERNELS:
         from . import decode_gluon
-        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma=kernel == "gluon-tma")
+        use_tma = kernel == "gluon-tma"
+        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma,
+                            workspace.tma_descriptors(kv, d) if use_tma else None)
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
         _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps, num_stages=num_stages,

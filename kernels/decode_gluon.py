@@ -672,16 +672,21 @@ def tma_descriptors(kv: PagedKV, head_dim: int) -> tuple:
             desc(kv.v_scale, g, [1, g], 16), desc(kv.v_zero, g, [1, g], 16))
 
 
+def page_tensors(kv: PagedKV) -> tuple:
+    """The page tensors in the order _gluon_paged_kernel takes them (klow_ptr ... vzero_ptr)."""
+    return kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high, kv.v_scale, kv.v_zero
+
+
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
-                     use_tma: bool = False) -> tuple[tuple, dict]:
+                     use_tma: bool = False, descriptors: tuple | None = None) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    use_tma the TMA copies (tma_descriptors). Also used to compile the kernel for a profile (kernels.sass_profile)."""
+    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here). Also used to
+    compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
-    pages = (tma_descriptors(kv, d) if use_tma else
-             (kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high, kv.v_scale, kv.v_zero))
+    pages = (descriptors or tma_descriptors(kv, d)) if use_tma else page_tensors(kv)
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma)
@@ -696,8 +701,8 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           use_tma: bool = False) -> None:
+           use_tma: bool = False, descriptors: tuple | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

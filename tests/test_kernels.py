@@ -459,6 +459,25 @@ def test_workspace_is_reused_across_steps_and_changes_nothing():
     assert workspace.buffers[0].shape[2] == 4 + rest_parts(kv)                 # + the remaining blocks' programs
 
 
+def test_workspace_keeps_tma_descriptors_until_a_page_tensor_moves():
+    """The TMA path's descriptors (built on the host, CPU-only here) are made once per layer, not per step: the
+    same objects while the pages stay where they are, new ones equal to freshly made ones after a pool moves."""
+    from kernels import decode_gluon
+    kv, _, _ = random_paged_kv([300, 131], heads=2, head_dim=128, n_boost=32, dtype=torch.bfloat16, seed=4)
+    workspace = DecodeWorkspace()
+
+    def described(descriptors):
+        return [(d.base.data_ptr(), tuple(d.shape), tuple(d.strides), tuple(d.block_shape)) for d in descriptors]
+
+    first = workspace.tma_descriptors(kv, 128)
+    assert described(first) == described(decode_gluon.tma_descriptors(kv, 128))
+    assert all(a is b for a, b in zip(workspace.tma_descriptors(kv, 128), first))
+    grown = dataclasses.replace(kv, v_scale=torch.cat([kv.v_scale, kv.v_scale]))     # a pool reallocated
+    moved = workspace.tma_descriptors(grown, 128)
+    assert moved[7] is not first[7] and described(moved) == described(decode_gluon.tma_descriptors(grown, 128))
+    assert moved[7].shape[0] == 2 * first[7].shape[0]
+
+
 def test_reference_attention_is_plain_attention_for_full_precision():
     """The reference itself, checked against textbook attention on the raw keys / values (16-bit cache)."""
     kv, keys, values = random_paged_kv([70, 131], heads=2, head_dim=64, sink=0, k_bits=16, v_bits=16,
