@@ -54,8 +54,8 @@ import triton.testing
 
 # on a CPU: Triton interpreted
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
-                                      DecodeWorkspace, choose_kernel, decode_attention, default_splits, merge_splits, multiprocessors,
-                                      resident_programs, split_count)
+                                      DecodeWorkspace, choose_kernel, decode_attention, default_splits, merge_splits,
+                                      multiprocessors, resident_programs, split_count)
 from kernels.decode_rest import rest_blocks
 
 from . import memory
