@@ -54,8 +54,8 @@ import triton.testing
 
 # on a CPU: Triton interpreted
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
-                                      DecodeWorkspace, choose_kernel, decode_attention, default_splits, merge_splits,
-                                      multiprocessors, resident_programs, split_count)
+                                      DecodeWorkspace, choose_kernel, decode_attention, decode_launches, default_splits,
+                                      gluon_maxnreg, multiprocessors, resident_programs, split_count)
 from kernels.decode_rest import rest_blocks
 
 from . import memory
@@ -66,6 +66,8 @@ from .methods import method_config
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
 CACHE_METHODS = ("kitty", "kitty-pro", "kivi-k2v2", "fp16")
+# bench attention --pdl: decode_attention's pdl (None: its default)
+PDL_CHOICES = {"default": (None,), "off": (False,), "on": (True,), "both": (False, True)}
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -115,7 +117,7 @@ def copy_bandwidth() -> float | None:
 # machine receives a copy of the working tree without the session's commits (`git log --find-object=ID` here
 # names the commits that hold a file as measured).
 MEASURED_SOURCES = ("kernels/decode_attention.py", "kernels/decode_gluon.py", "kernels/quantize.py", "kernels/flush.py",
-                    "kernels/dequantize.py", "backend/cache.py", "backend/chunk_attention.py", "backend/graphs.py",
+                    "kernels/dequantize.py", "backend/cache.py", "kernels/chunk_attention.py", "backend/graphs.py",
                     "backend/bench.py")
 
 
@@ -216,18 +218,19 @@ def bench_attention(args) -> dict:
             for method in methods:
                 layer = filled_layer(method, k, v)
                 kv = layer.paged()
-                for kernel in args.kernels:
-                    run = lambda: decode_attention(q, kv, sm_scale, kernel=kernel)  # noqa: E731
-                    err = (run().float() - reference).abs().max().item()  # vs exact FP16 attention: quantization error
-                    seconds = median_seconds(run, args.quick)
-                    # the merge of the split programs' partials alone, on the buffers of the call just made
-                    workspace = DecodeWorkspace()
-                    decode_attention(q, kv, sm_scale, workspace=workspace, kernel=kernel)
-                    merge_s = median_seconds(lambda: merge_splits(*workspace.buffers), args.quick)
-                    name = method if kernel == "auto" else f"{method}/{kernel}"
+                for kernel, pdl in ((k, p) for k in args.kernels for p in PDL_CHOICES[args.pdl]):
+                    launches = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=pdl)
+                    err = (launches().float() - reference).abs().max().item()  # vs exact FP16: quantization error
+                    seconds = median_seconds(launches, args.quick)
+                    # each of the call's three launches alone (the remaining blocks, the paged slots, the merge), on
+                    # the buffers of the call just made: what the call's time is made of, and its gaps
+                    parts_us = {f"{part}_us": median_seconds(getattr(launches, part), args.quick) * 1e6
+                                for part in ("remaining", "paged", "merge")}
+                    name = (method if kernel == "auto" else f"{method}/{kernel}") + {None: "", False: "-pdl",
+                                                                                      True: "+pdl"}[pdl]
                     ran = choose_kernel(q, kv) if kernel == "auto" else kernel      # what "auto" took
-                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, ran=ran, us=seconds * 1e6,
-                                     merge_us=merge_s * 1e6, gbs=bytes_read(layer) / seconds / 1e9,
+                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, pdl=pdl, ran=ran,
+                                     us=seconds * 1e6, **parts_us, gbs=bytes_read(layer) / seconds / 1e9,
                                      vs_sdpa=sdpa_s / seconds, max_err=err))
                 del layer, kv
             if device == "cuda":
@@ -247,7 +250,8 @@ def bench_attention(args) -> dict:
             "copy_gbs": copy_gbs, "rows": rows, "env": environment()}
 
 
-TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest")
+TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
+               "pdl")
 
 
 def bench_tune(args) -> dict:
@@ -276,10 +280,13 @@ def bench_tune(args) -> dict:
             # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False)
 
             default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
             default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
+
+            # the default Gluon kernel's register cap at its own split (gluon_maxnreg)
+            cap = gluon_maxnreg(q, kv, split_count(q, kv, default_gluon, GLUON_MAXNREG))
 
             def gluon(maxnreg, quarters=4, splits=None, kernel=None):
                 """A Gluon kernel (default: the one "auto" takes) at a register cap, at quarters / 4 of the split it
@@ -301,20 +308,25 @@ def bench_tune(args) -> dict:
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)] + [gluon(GLUON_MAXNREG, splits=(
                           default_splits(batch, h, pages, sm_count, gluon_resident(kv, d, GLUON_MAXNREG))))],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
-                      # both copy paths (cp.async, TMA: kernel "gluon-tma") at both default caps
-                      "gluon-tma": [gluon(r, kernel=k) for k in ("gluon", "gluon-tma")
+                      # the copy paths (cp.async; TMA a box a chunk, "gluon-tma"; TMA a box a plane,
+                      # "gluon-tma-planes") at both default caps
+                      "gluon-tma": [gluon(r, kernel=k) for k in ("gluon", "gluon-tma", "gluon-tma-planes")
                                     for r in (GLUON_MAXNREG, GLUON_MAXNREG_FEW)],
                       # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
                       # (None: decode_rest.rest_warps, by the launch's programs)
                       "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
-                               for w in (1, 2, 4)]}
+                               for w in (1, 2, 4)],
+                      # the three launches chained by programmatic dependent launch (decode_launches' pdl), with
+                      # the default Gluon kernel at its default cap and split, and with each of the copy paths
+                      "pdl": [{**gluon(cap, kernel=k), "pdl": p} for k in (default_gluon, "gluon-tma-planes")
+                              for p in (False, True)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
-                                               rest_warps=setting["rest_warps"])
+                                               rest_warps=setting["rest_warps"], pdl=setting["pdl"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
@@ -332,11 +344,13 @@ def bench_tune(args) -> dict:
 
 def print_rows(rows, header=True):
     if header:
-        print(f"{'B':>3} {'L':>6} {'method':>20} {'us':>10} {'merge us':>9} {'GB/s':>8} {'vs SDPA':>8} {'max|err|':>9}")
+        print(f"{'B':>3} {'L':>6} {'method':>20} {'us':>10} {'rest / paged / merge us':>24} {'GB/s':>8} "
+              f"{'vs SDPA':>8} {'max|err|':>9}")
     for r in rows:
         err = "" if r.get("max_err") is None else f"{r['max_err']:.3g}"
-        merge = "" if r.get("merge_us") is None else f"{r['merge_us']:.1f}"
-        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>20} {r['us']:>10.1f} {merge:>9} {r['gbs']:>8.0f} "
+        parts = "" if r.get("paged_us") is None else \
+            f"{r['remaining_us']:.1f} / {r['paged_us']:.1f} / {r['merge_us']:.1f}"
+        print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>20} {r['us']:>10.1f} {parts:>24} {r['gbs']:>8.0f} "
               f"{r['vs_sdpa']:>7.2f}x {err:>9}", flush=True)
 
 
@@ -705,10 +719,11 @@ def run_turn(model, method, batch, prompt, turn, profile=False):
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None)
 
 
-def chunk_attention_row(batch: int, prompt: int, turn: int) -> dict:
-    """One layer's chunk attention alone (backend.chunk_attention, Qwen3-8B attention shape, bf16, the turn's ragged
-    lengths): eager launches (do_bench), as a forward runs them."""
-    from .chunk_attention import chunk_attention
+def chunk_attention_rows(batch: int, prompt: int, turn: int) -> list[dict]:
+    """One layer's chunk attention alone (kernels/chunk_attention.py, Qwen3-8B attention shape, bf16, the turn's
+    ragged lengths), by the Triton kernel and by the PyTorch path (SDPA per distinct length): eager launches
+    (do_bench), as a forward runs them; the kernel's largest difference from the PyTorch path beside it."""
+    from kernels.chunk_attention import chunk_attention
     _, mask = ragged_prompt(batch, prompt, 1000, "cpu")
     past = mask.sum(-1).numpy()
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -716,12 +731,17 @@ def chunk_attention_row(batch: int, prompt: int, turn: int) -> dict:
     keys, values = (torch.randn(batch, prompt + turn, 8, 128, device="cuda", dtype=torch.bfloat16,
                                 generator=gen).transpose(1, 2) for _ in range(2))
     counts = np.full(batch, turn)
-    ms = triton.testing.do_bench(lambda: chunk_attention(query, keys, values, past, counts, 0.088), warmup=10,
-                                 rep=100, return_mode="median")
-    row = dict(method="chunk-attention (one layer)", batch=batch, prompt=prompt, turn=turn,
-               distinct_lengths=len(set(past.tolist())), ms=ms, tokens_per_s=batch * turn / ms * 1e3, repeat=0)
-    print(json.dumps(row), flush=True)
-    return row
+    reference = chunk_attention(query, keys, values, past, counts, 0.088, use_triton=False).float()
+    rows = []
+    for use_triton in (True, False):
+        run = lambda: chunk_attention(query, keys, values, past, counts, 0.088, use_triton)  # noqa: E731
+        err = (run().float() - reference).abs().max().item()
+        ms = triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")
+        rows.append(dict(method=f"chunk-attention (one layer, {'triton' if use_triton else 'sdpa per length'})",
+                         batch=batch, prompt=prompt, turn=turn, distinct_lengths=len(set(past.tolist())), ms=ms,
+                         tokens_per_s=batch * turn / ms * 1e3, max_err=err, repeat=0))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def bench_turn(args) -> dict:
@@ -745,7 +765,7 @@ def bench_turn(args) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if torch.cuda.is_available():
-        rows.append(chunk_attention_row(batch, prompt, turn))
+        rows.extend(chunk_attention_rows(batch, prompt, turn))
     return {"kind": "turn", "model": "Qwen3-8B shape, random weights" if not args.quick else "tiny random",
             "rows": rows, "env": environment()}
 
@@ -871,6 +891,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=["auto"],
                         help="attention: decode kernels over the paged blocks, each measured (default: auto, the "
                              "product's choice; gluon: GPU only)")
+    parser.add_argument("--pdl", choices=list(PDL_CHOICES), default="default",
+                        help="attention: decode_attention's pdl (its three launches chained by programmatic dependent "
+                             "launch): its default, off, on or both, each measured")
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--prompt", type=int, help="generate: prompt tokens; turn: the longest first turn")
     parser.add_argument("--new-tokens", type=int, help="generate: tokens to generate; turn: the next turn's tokens")

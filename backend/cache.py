@@ -24,10 +24,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kernels import dequantize, flush, quantize
+from kernels.chunk_attention import chunk_attention
 from kernels.decode_attention import KERNELS, DecodeWorkspace, decode_attention, decode_attention_ref
 from kernels.layout import FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_bytes, value_page_bytes
 
-from .chunk_attention import chunk_attention
 from .memory import FP_BYTES, TABLE_ENTRY_BYTES
 from .methods import CacheConfig
 from .pages import DeviceIndices, PagePool, PageTable, ragged_ranges
@@ -264,12 +264,12 @@ class KittyLayer(CacheLayerMixin):
         real tokens, the last of the chunk (left padding before them); None: all real. Returns (B, n, HQ, D), zeros in
         padding rows.
 
-        Keys and values are laid out [cached | real chunk tokens] per sequence, attended with lower-right causal SDPA
-        once per run of equal lengths (backend.chunk_attention)."""
+        Keys and values are laid out [cached | real chunk tokens] per sequence and attended in one Triton launch on a
+        GPU, else with lower-right causal SDPA once per run of equal lengths (kernels/chunk_attention.py)."""
         counts = np.full(query.shape[0], query.shape[2]) if counts is None else np.asarray(counts)
         keys = self._dense("key", query.dtype, key, counts)
         values = self._dense("value", query.dtype, value, counts)
-        return chunk_attention(query, keys, values, self.lengths, counts, scaling)
+        return chunk_attention(query, keys, values, self.lengths, counts, scaling, self._triton())
 
     def _dense(self, kind: str, dtype: torch.dtype, chunk: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
         """Every sequence's keys or values in token order, then the last counts[b] tokens of `chunk` (B, H, n, D):

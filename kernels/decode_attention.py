@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .decode_rest import launch_rest, rest_parts, rest_warps as default_rest_warps
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
@@ -337,9 +340,12 @@ def _decode_split_kernel(
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
-        BLOCK_NB: tl.constexpr):
+        BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, h, part < NSPLIT): the paged slots of sequence b, KV head h that _program_slots gives it, written
-    as partial (output, max, sum) number `part`."""
+    as partial (output, max, sum) number `part`. PDL: the remaining blocks' kernel after it may start at once
+    (decode_launches' pdl)."""
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
@@ -393,9 +399,13 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["NPART"])
 def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_DC: tl.constexpr):
+                         BLOCK_DC: tl.constexpr, PDL: tl.constexpr = False):
     """One (sequence, query head) row and BLOCK_DC of its channels: the partials of all NPART parts merged with
-    log-sum-exp weights in one pass (a running maximum rescales what is summed so far), BLOCK_S parts per step."""
+    log-sum-exp weights in one pass (a running maximum rescales what is summed so far), BLOCK_S parts per step.
+    PDL: launched while the kernels that write the partials still run (decode_launches' pdl): it waits for them
+    first."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
     dmask = d < D
@@ -546,14 +556,14 @@ class DecodeWorkspace:
             self.buffers = (part_o, part_m, torch.empty_like(part_m), torch.empty_like(q))
         return self.buffers
 
-    def tma_descriptors(self, kv: PagedKV, head_dim: int) -> tuple:
-        """decode_gluon.tma_descriptors(kv, head_dim), made again only when a page tensor has moved or changed
-        shape (a cache's pools grow by reallocation): making them takes about 170 us on CI's CPU, in every layer's
-        every decode step that no CUDA graph replays; this check takes 6."""
+    def tma_descriptors(self, kv: PagedKV, head_dim: int, planes: bool = False) -> tuple:
+        """decode_gluon.tma_descriptors(kv, head_dim, planes), made again only when a page tensor has moved or
+        changed shape (a cache's pools grow by reallocation): making them takes about 170 us on CI's CPU, in every
+        layer's every decode step that no CUDA graph replays; this check takes 6."""
         from . import decode_gluon
-        key = (head_dim, *((t.data_ptr(), t.shape, t.stride()) for t in decode_gluon.page_tensors(kv)))
+        key = (head_dim, planes, *((t.data_ptr(), t.shape, t.stride()) for t in decode_gluon.page_tensors(kv)))
         if key != self.descriptor_key:
-            self.descriptors, self.descriptor_key = decode_gluon.tma_descriptors(kv, head_dim), key
+            self.descriptors, self.descriptor_key = decode_gluon.tma_descriptors(kv, head_dim, planes), key
         return self.descriptors
 
 
@@ -581,7 +591,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-planes")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -599,7 +609,11 @@ GLUON_MAXNREG_FEW = 192
 # 446.2 against 482.6 us at batch 64 / 32K, 66.4 against 74.8 at 8 / 32K, 87.9 against 96.1 at 64 / 4K, 18.7
 # against 19.2 at 1 / 32K, equal at 1 / 4K: "auto" takes it wherever it applies, and "gluon" (cp.async) elsewhere
 # (GPUs before Hopper)
-GLUON_KERNELS = ("gluon", "gluon-tma")
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-planes")
+# decode_launches' pdl by default: the paged kernel first and the other two launched beside it (an experiment made
+# the default before its measurement, so that the GPU tests of the caches and CUDA graphs run it)
+PDL = True
+TMA_KERNELS = ("gluon-tma", "gluon-tma-planes")     # "gluon-tma-planes": a 3-D TMA box a plane (decode_gluon._tma_plane)
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
@@ -635,17 +649,56 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
-                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
+                     pdl: bool | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
-    Three launches: the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers) and the merge of
-    their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default: split_count);
-    num_warps / num_stages: the Triton kernel's warps per program and software-pipelining depth (the Gluon kernel's
-    programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned on the H200:
-    MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that kernel,
-    "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
-    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback) or "auto" (choose_kernel). rest_warps:
-    warps a program of the remaining blocks (default: decode_rest.rest_warps). With a workspace, its buffers are
-    reused (see DecodeWorkspace); without, they are allocated per call."""
+    Three launches (decode_launches): the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers)
+    and the merge of their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default:
+    split_count); num_warps / num_stages: the Triton kernel's warps per program and software-pipelining depth (the
+    Gluon kernel's programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned
+    on the H200: MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that
+    kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
+    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-planes" (its copies a 3-D box
+    a plane: an experiment, not yet measured) or "auto" (choose_kernel). rest_warps: warps a program of the remaining
+    blocks (default: decode_rest.rest_warps). pdl: the three launches chained by programmatic dependent launch
+    (decode_launches; default PDL). With a workspace, its buffers are reused (see DecodeWorkspace); without, they
+    are allocated per call."""
+    return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
+                           rest_warps, pdl)()
+
+
+@dataclass
+class DecodeLaunches:
+    """decode_attention's three launches, each with every setting resolved, so that each can also be timed alone
+    (bench attention's parts); calling the whole runs them in order (the remaining blocks first, or with `pdl` the
+    paged slots first) and returns `out`, which the merge writes."""
+    remaining: Callable[[], None]
+    paged: Callable[[], None]
+    merge: Callable[[], None]
+    out: torch.Tensor
+    pdl: bool = False
+
+    def __call__(self) -> torch.Tensor:
+        for launch in (self.paged, self.remaining) if self.pdl else (self.remaining, self.paged):
+            launch()
+        self.merge()
+        return self.out
+
+
+def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
+                    workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
+                    maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
+                    pdl: bool | None = None) -> DecodeLaunches:
+    """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
+    the merge, with the kernel, split, register cap and warps resolved as it resolves them.
+
+    pdl (Hopper and later, compiled; ignored elsewhere): the paged slots' kernel first, then the remaining blocks'
+    and the merge, each launched by programmatic dependent launch beside the one before it. The remaining blocks
+    read nothing the paged kernel writes: their programs start as soon as every paged program has started (at batch
+    1 the GPU is mostly idle then), and each waits for the paged grid only before it ends; the merge starts early
+    too and waits for both grids before it reads a partial. Why: at batch 1 / 4K a call is three latency-bound
+    launches in a row, 3.8 + 4.8 + 1.7 us and about 1 us of gaps, against SDPA's 9.2 (BENCHMARKS.md section 1,
+    session 18)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
@@ -655,7 +708,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
         kernel = choose_kernel(q, kv, num_warps)
     elif kernel in GLUON_KERNELS:
         from . import decode_gluon
-        kernel = kernel if (decode_gluon.supports_tma if kernel == "gluon-tma" else decode_gluon.supports)(q, kv) \
+        kernel = kernel if (decode_gluon.supports_tma if kernel in TMA_KERNELS else decode_gluon.supports)(q, kv) \
             else "triton"
     if num_splits is None:
         num_splits = split_count(q, kv, kernel, maxnreg or (GLUON_MAXNREG if kernel in GLUON_KERNELS else MAXNREG),
@@ -668,35 +721,52 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     workspace = workspace or DecodeWorkspace()
     parts = workspace.get(q, num_splits + rest)
     qk_scale = sm_scale * math.log2(math.e)
+    dot = dot_dtype(q.dtype)
+    pdl = (PDL if pdl is None else pdl) and pdl_supported(q.device)
+
     # the remaining blocks first: at batch 1 they are as long as the paged slots' programs of a 4K-token sequence.
     # (On a second stream, concurrent with the paged slots' kernel, they were 1-3 us faster at three of six shapes
     # and as much slower at the other three; in the Gluon kernel's launch, as its own programs, slower at all six;
     # with the paged kernel started beside them by programmatic dependent launch, 2 us slower at batch 1 / 32K and
     # no faster than noise at batch 64: BENCHMARKS.md section 1, sessions 12 to 14.)
-    dot = dot_dtype(q.dtype)
-    launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps)
+    def remaining():
+        launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl)
+
     if kernel in GLUON_KERNELS:
         from . import decode_gluon
-        use_tma = kernel == "gluon-tma"
-        decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma,
-                            workspace.tma_descriptors(kv, d) if use_tma else None)
+        use_tma, planes = kernel in TMA_KERNELS, kernel == "gluon-tma-planes"
+        descriptors = workspace.tma_descriptors(kv, d, planes) if use_tma else None
+
+        def paged():
+            decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, planes, pdl)
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
-        _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps, num_stages=num_stages,
-                                                   **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-    return merge_splits(*parts)
+
+        def paged():
+            _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps,
+                                                       num_stages=num_stages, PDL=pdl,
+                                                       **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
+    return DecodeLaunches(remaining, paged, lambda: merge_splits(*parts, pdl=pdl), parts[3], pdl)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: compiled Triton on a Hopper or later GPU (the interpreter has no
+    griddepcontrol)."""
+    return device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,
-                 sm_count: int | None = None) -> torch.Tensor:
+                 sm_count: int | None = None, pdl: bool = False) -> torch.Tensor:
     """out (B, HQ, D) = sum_p 2^(m_p - M) o_p / sum_p 2^(m_p - M) l_p over the parts p of each row (M: the rows'
     largest m; parts with m = -inf weigh nothing): the split programs' partials (B, HQ, P, D), (B, HQ, P) x 2.
-    sm_count: the multiprocessors the merge spreads over (default: the device's)."""
+    sm_count: the multiprocessors the merge spreads over (default: the device's); pdl: launched by programmatic
+    dependent launch beside the kernel before it (decode_launches' pdl)."""
     bsz, hq, num_parts, d = part_o.shape
     if sm_count is None:
         sm_count = multiprocessors(out.device)
     block_s, block_dc = merge_blocks(bsz * hq, d, sm_count, num_parts)
     _merge_splits_kernel[(bsz * hq, triton.cdiv(d, block_dc))](part_o, part_m, part_l, out, num_parts, D=d,
                                                                BLOCK_S=block_s, BLOCK_DC=block_dc,
-                                                               num_warps=MERGE_WARPS)
+                                                               num_warps=MERGE_WARPS,
+                                                               **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return out

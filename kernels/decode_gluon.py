@@ -371,9 +371,27 @@ def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr, TMA: 
 # whole, by one instruction. Measured on the H200: 4-11 % faster at batches 8 and 64, 3 % or less at batch 1, with
 # 50 more instructions in the page loop (1,428: the uniform datapath's address arithmetic, 14 more barriers, 2 proxy
 # fences) and DRAM throughput 64 -> 72 % (ncu; BENCHMARKS.md section 1, session 16, call 5).
+TMA_CHUNKS = gl.constexpr(1)        # the kernel's TMA: its copies by TMA, a box a chunk of each plane
+TMA_PLANES = gl.constexpr(2)        # ... a 3-D box a plane (decode_attention(kernel="gluon-tma-planes"))
+
+
 @gluon.constexpr_function
-def _tma_shared(bits):
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=2)
+def _tma_shared(bits, rank=2):
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=rank)
+
+
+@gluon.jit
+def _tma_plane(desc, row, bar, buf, CH: gl.constexpr, R: gl.constexpr, C: gl.constexpr, PLANES: gl.constexpr):
+    """The chunked plane (_plane_shape: CH chunks of R rows of C bytes) of the page whose first row is `row`, into
+    buf: one box a chunk, or with PLANES one 3-D box of all chunks (desc: the planes seen as (chunk, row, column),
+    tma_descriptors). Why PLANES: Triton puts a barrier before every TMA copy it issues (bar.sync, then one elected
+    thread), 14 a kitty-pro page with a box a chunk, 8 with a box a plane."""
+    if PLANES:
+        tma.async_copy_global_to_shared(desc, [0, row, 0], bar, buf._reinterpret(gl.uint8, [CH, R, C],
+                                                                                   _tma_shared(8, 3)))
+    else:
+        for c in gl.static_range(CH):
+            tma.async_copy_global_to_shared(desc, [row, c * C], bar, buf.slice(c * R, R))
 
 
 @gluon.jit
@@ -384,36 +402,33 @@ def _tma_vector(desc, row, bar, buf, N: gl.constexpr, DTYPE: gl.constexpr, BITS:
 
 @gluon.jit
 def _tma_keys(kbufs, bar, kpage, klow_d, khigh_d, kch_d, kscale_d, kzero_d, D: gl.constexpr, G: gl.constexpr,
-              NB: gl.constexpr):
+              NB: gl.constexpr, PLANES: gl.constexpr):
     """TMA of key page `kpage`'s tiles into kbufs, counted on mbarrier bar."""
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     G4: gl.constexpr = G // 4
     mbarrier.expect(bar, G4 * (D + NB) + NB + 4 * D)
     row = (kpage * G4).to(gl.int32)
-    for c in gl.static_range(D // KC):
-        tma.async_copy_global_to_shared(klow_d, [row, c * KC], bar, klow_s.slice(c * G4, G4))
+    _tma_plane(klow_d, row, bar, klow_s, D // KC, G4, KC, PLANES)
     _tma_vector(kscale_d, kpage.to(gl.int32), bar, kscale_s, D, gl.float16, 16)
     _tma_vector(kzero_d, kpage.to(gl.int32), bar, kzero_s, D, gl.float16, 16)
     if NB > 0:
         NBC: gl.constexpr = _chunk(NB)
-        for c in gl.static_range(NB // NBC):
-            tma.async_copy_global_to_shared(khigh_d, [row, c * NBC], bar, khigh_s.slice(c * G4, G4))
+        _tma_plane(khigh_d, row, bar, khigh_s, NB // NBC, G4, NBC, PLANES)
         _tma_vector(kch_d, kpage.to(gl.int32), bar, ch_s, NB, gl.uint8, 8)
 
 
 @gluon.jit
 def _tma_values(vbufs, bar, vpage, vlow_d, vhigh_d, vscale_d, vzero_d, D: gl.constexpr, G: gl.constexpr,
-                V_BITS: gl.constexpr):
+                V_BITS: gl.constexpr, PLANES: gl.constexpr):
     """TMA of value page `vpage`'s tiles into vbufs, counted on mbarrier bar."""
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
     D4: gl.constexpr = D // 4
     G4: gl.constexpr = G // 4
     mbarrier.expect(bar, D4 * G * (V_BITS // 2) + 4 * G)
     row = (vpage * D4).to(gl.int32)
-    for i in gl.static_range(4):
-        tma.async_copy_global_to_shared(vlow_d, [row, i * G4], bar, vlow_s.slice(i * D4, D4))
-        if V_BITS == 4:
-            tma.async_copy_global_to_shared(vhigh_d, [row, i * G4], bar, vhigh_s.slice(i * D4, D4))
+    _tma_plane(vlow_d, row, bar, vlow_s, 4, D4, G4, PLANES)
+    if V_BITS == 4:
+        _tma_plane(vhigh_d, row, bar, vhigh_s, 4, D4, G4, PLANES)
     _tma_vector(vscale_d, vpage.to(gl.int32), bar, vscale_s, G, gl.float16, 16)
     _tma_vector(vzero_d, vpage.to(gl.int32), bar, vzero_s, G, gl.float16, 16)
 
@@ -435,7 +450,7 @@ def _fetch_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D: gl.const
     """Key page `kpage` on its way into kbufs: by TMA on kbar (klow...: tensor descriptors), or as one cp.async
     group (klow...: pointers)."""
     if TMA:
-        _tma_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D, G, NB)
+        _tma_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D, G, NB, TMA == TMA_PLANES)
     else:
         _copy_keys(kbufs, kpage, klow, khigh, kch, kscale, kzero, D, G, NB)
 
@@ -445,7 +460,7 @@ def _fetch_values(vbufs, vbar, vpage, vlow, vhigh, vscale, vzero, D: gl.constexp
                   V_BITS: gl.constexpr, TMA: gl.constexpr):
     """Value page `vpage` on its way into vbufs, as _fetch_keys."""
     if TMA:
-        _tma_values(vbufs, vbar, vpage, vlow, vhigh, vscale, vzero, D, G, V_BITS)
+        _tma_values(vbufs, vbar, vpage, vlow, vhigh, vscale, vzero, D, G, V_BITS, TMA == TMA_PLANES)
     else:
         _copy_values(vbufs, vpage, vlow, vhigh, vscale, vzero, D, G, V_BITS)
 
@@ -558,11 +573,14 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr):
+        V_BITS: gl.constexpr, TMA: gl.constexpr, PDL: gl.constexpr = False):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
-    tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors;
-    kscale_rows: the key scales as a pointer, for the boosted channels' gather."""
+    tensors, as pointers or, with TMA (TMA_CHUNKS: decode_attention(kernel="gluon-tma"), TMA_PLANES:
+    kernel="gluon-tma-planes"), as tensor descriptors; kscale_rows: the key scales as a pointer, for the boosted
+    channels' gather. PDL: the remaining blocks' kernel after it may start at once (decode_launches' pdl)."""
+    if PDL:
+        _launch_dependents()
     b = gl.program_id(0)
     h = gl.program_id(1)
     part = gl.program_id(2)
@@ -628,6 +646,14 @@ def _gluon_paged_kernel(
     gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
 
 
+@gluon.jit
+def _launch_dependents():
+    """griddepcontrol.launch_dependents: the grid launched after this one by programmatic dependent launch may start
+    once every program here has run this (a no-op without it)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
 SHARED_PER_SM = 228 * 1024          # H100 / H200: shared memory of a multiprocessor, and what each program reserves
 SHARED_RESERVED = 1024
 CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one token quarter at a time
@@ -654,21 +680,29 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, by_shared))
 
 
-def tma_descriptors(kv: PagedKV, head_dim: int) -> tuple:
-    """The page tensors as the TMA path reads them: each a 2-D view (page x head x row, column) with a box of one
-    chunk of a plane, or of one row of a vector. A plane the method lacks gets the low plane's descriptor (never
-    read)."""
+def tma_descriptors(kv: PagedKV, head_dim: int, planes: bool = False) -> tuple:
+    """The page tensors as the TMA path reads them: each plane a 2-D view (page x head x row, column) with a box of
+    one chunk, or with `planes` a 3-D view (chunk, page x head x row, column) with a box of all its chunks; each
+    vector a box of one row. A plane the method lacks gets the low plane's descriptor (never read)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     g, nb, d = kv.page_size, kv.n_boost, head_dim
 
     def desc(t, columns, box, bits=8):
         return TensorDescriptor.from_tensor(t.view(-1, columns), box, _tma_shared(bits))
 
-    klow = desc(kv.k_low, d, [g // 4, KC.value])
-    vlow = desc(kv.v_low, g, [d // 4, g // 4])
-    khigh = desc(kv.k_high, nb, [g // 4, min(nb, KC.value)]) if nb else klow
+    def plane(t, columns, rows, chunk):
+        """A code plane of `rows` rows of `columns` bytes a page, read `chunk` columns at a time."""
+        if not planes:
+            return desc(t, columns, [rows, chunk])
+        n = columns // chunk
+        return TensorDescriptor(t, [n, t.numel() // columns, chunk], [chunk, columns, 1], [n, rows, chunk],
+                                _tma_shared(8, 3))
+
+    klow = plane(kv.k_low, d, g // 4, KC.value)
+    vlow = plane(kv.v_low, g, d // 4, g // 4)
+    khigh = plane(kv.k_high, nb, g // 4, min(nb, KC.value)) if nb else klow
     return (klow, khigh, desc(kv.k_ch, nb, [1, nb]) if nb else klow, desc(kv.k_scale, d, [1, d], 16),
-            desc(kv.k_zero, d, [1, d], 16), vlow, desc(kv.v_high, g, [d // 4, g // 4]) if kv.v_bits == 4 else vlow,
+            desc(kv.k_zero, d, [1, d], 16), vlow, plane(kv.v_high, g, d // 4, g // 4) if kv.v_bits == 4 else vlow,
             desc(kv.v_scale, g, [1, g], 16), desc(kv.v_zero, g, [1, g], 16))
 
 
@@ -678,18 +712,20 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
-                     use_tma: bool = False, descriptors: tuple | None = None) -> tuple[tuple, dict]:
+                     use_tma: bool = False, descriptors: tuple | None = None,
+                     planes: bool = False) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here). Also used to
-    compile the kernel for a profile (kernels.sass_profile)."""
+    use_tma the TMA copies, a box a chunk or with `planes` a box a plane (with `descriptors`, kv's tma_descriptors
+    made earlier; else made here). Also used to compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
-    pages = (descriptors or tma_descriptors(kv, d)) if use_tma else page_tensors(kv)
+    pages = (descriptors or tma_descriptors(kv, d, planes)) if use_tma else page_tensors(kv)
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
-    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma)
+    copies = (TMA_PLANES.value if planes else TMA_CHUNKS.value) if use_tma else 0
+    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=copies)
     return args, constants
 
 
@@ -701,8 +737,9 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           use_tma: bool = False, descriptors: tuple | None = None) -> None:
-    """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors)
+           use_tma: bool = False, descriptors: tuple | None = None, planes: bool = False, pdl: bool = False) -> None:
+    """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
+    programs let the next grid start beside them (its PDL)."""
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, planes)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
-        *args, **constants, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
+        *args, **constants, PDL=pdl, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .layout import PagedKV
 
@@ -66,11 +67,15 @@ def _rest_kernel(
         qk_scale, CK, CV, KMP, VMP, NPART, FIRST_PART,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, h, j): block j of sequence b's remaining tokens for KV head h, written as part FIRST_PART + j.
     Blocks 0 .. cdiv(sink, T) - 1 are the sink's; then each slot after the paged ones (n_paged = min(n_kpages,
     n_vpages)) gives cdiv(G, T) blocks of T consecutive tokens. A block past the sequence's end writes an empty
-    partial (max -inf, which the merge weighs 0)."""
+    partial (max -inf, which the merge weighs 0). PDL: launched beside the paged slots' kernel (decode_launches'
+    pdl): the merge after it may start at once, and each program waits for the paged grid before it ends, so that
+    this grid's end (what the merge waits for) means both are done."""
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -155,10 +160,12 @@ def _rest_kernel(
     tl.store(pm_ptr + idx, m, mask=hmask)
     tl.store(pl_ptr + idx, tl.sum(p, axis=1), mask=hmask)
     tl.store(po_ptr + idx[:, None] * D + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
+    if PDL:
+        gdc_wait()
 
 
 def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,
-                          prec: str) -> tuple[tuple, dict]:
+                          prec: str, pdl: bool = False) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _rest_kernel: parts (output, max, sum) first_part ..
     first_part + rest_parts(kv) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e); dot / prec: the
     products' operand type and input precision, decode_attention's).
@@ -171,12 +178,15 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
             first_part)
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
                      PREC=prec, T=rest_block_tokens(kv.page_size), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
-                     BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)))
+                     BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)),
+                     PDL=pdl)
     return args, constants
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
-                num_warps: int) -> None:
-    """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program."""
-    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec)
-    _rest_kernel[(q.shape[0], kv.k_fp.shape[1], rest_parts(kv))](*args, **constants, num_warps=num_warps)
+                num_warps: int, pdl: bool = False) -> None:
+    """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program;
+    pdl: by programmatic dependent launch, beside the paged slots' kernel launched just before."""
+    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl)
+    _rest_kernel[(q.shape[0], kv.k_fp.shape[1], rest_parts(kv))](*args, **constants, num_warps=num_warps,
+                                                                 **({"launch_pdl": True} if pdl else {}))

@@ -51,7 +51,7 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None):
+                         maxnreg: int | None = None, pdl: bool = False):
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import MAXNREG, _decode_split_kernel, split_kernel_arguments
@@ -63,13 +63,13 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
-    return _compile(ASTSource, _decode_split_kernel, args, constants, arch,
+    return _compile(ASTSource, _decode_split_kernel, args, {**constants, "PDL": pdl}, arch,
                     {"num_warps": num_warps, "num_stages": num_stages,
                      **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                        arch: int = 90, num_warps: int = 2):
+                        arch: int = 90, num_warps: int = 2, pdl: bool = False):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel."""
     from triton.compiler import ASTSource
 
@@ -80,14 +80,16 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
     n = rest_parts(kv)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
-    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)))
+    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
+                                            pdl)
     return _compile(ASTSource, _rest_kernel, args, constants, arch, {"num_warps": num_warps})
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                         splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False):
-    """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
-    example cache as compile_split_kernel."""
+                         splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
+                         planes: bool = False, pdl: bool = False):
+    """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma" (and with
+    planes, kernel="gluon-tma-planes"), for the same example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
@@ -95,9 +97,22 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma)
-    return _compile(GluonASTSource, _gluon_paged_kernel, args, constants, arch,
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, planes=planes)
+    return _compile(GluonASTSource, _gluon_paged_kernel, args, {**constants, "PDL": pdl}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
+
+
+def compile_merge_kernel(rows: int = 32, head_dim: int = 128, parts: int = 41, arch: int = 90, pdl: bool = False):
+    """decode_attention's merge of `parts` partials a row (kernels/decode_attention.py), with its tiles for `rows`
+    rows on 132 multiprocessors."""
+    from triton.compiler import ASTSource
+
+    from kernels.decode_attention import MERGE_WARPS, _merge_splits_kernel, merge_blocks
+    block_s, block_dc = merge_blocks(rows, head_dim, 132, parts)
+    args = (torch.zeros(rows, parts, head_dim), torch.zeros(rows, parts), torch.zeros(rows, parts),
+            torch.zeros(rows, head_dim, dtype=torch.bfloat16), parts)
+    constants = dict(D=head_dim, BLOCK_S=block_s, BLOCK_DC=block_dc, PDL=pdl)
+    return _compile(ASTSource, _merge_splits_kernel, args, constants, arch, {"num_warps": MERGE_WARPS})
 
 
 def _compile(source_class, fn, args, constants, arch, options):
@@ -173,7 +188,8 @@ def main(argv=None) -> int:
                         help="warps per program (the Triton kernel's num_warps, or the rest kernel's rest_warps; the "
                              "Gluon kernel's programs are one warp)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
-    parser.add_argument("--kernel", choices=["triton", "gluon", "gluon-tma", "rest"], default="triton",
+    parser.add_argument("--kernel", choices=["triton", "gluon", "gluon-tma", "gluon-tma-planes", "rest"],
+                        default="triton",
                         help="decode_attention's kernel over the paged blocks (gluon, gluon-tma: "
                              "kernels/decode_gluon.py), or the one over the remaining blocks (rest: "
                              "kernels/decode_rest.py, no loop)")
@@ -187,9 +203,9 @@ def main(argv=None) -> int:
         return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
-        if args.kernel in ("gluon", "gluon-tma"):
+        if args.kernel.startswith("gluon"):
             compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
-                                            use_tma=args.kernel == "gluon-tma")
+                                            use_tma=args.kernel != "gluon", planes=args.kernel == "gluon-tma-planes")
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps)
         else:

@@ -1,11 +1,13 @@
-"""A chunk's attention over a ragged batch (backend.chunk_attention) against a per-sequence float64 reference."""
+"""A chunk's attention over a ragged batch (kernels/chunk_attention.py: the Triton kernel, interpreted on a CPU, and
+the PyTorch path) against a per-sequence float64 reference."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from backend.chunk_attention import chunk_attention
+from conftest import DEVICE
+from kernels.chunk_attention import chunk_attention
 
 
 def reference(query, keys, values, past, counts, scaling) -> torch.Tensor:
@@ -41,10 +43,26 @@ SHAPES = [  # (query heads, KV heads, head_dim, chunk, cached lengths, real coun
 ]
 
 
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("hq,h,d,n,past,counts", SHAPES)
-def test_chunk_attention_matches_the_reference_on_ragged_batches(hq, h, d, n, past, counts):
+def test_chunk_attention_matches_the_reference_on_ragged_batches(hq, h, d, n, past, counts, use_triton):
     query, keys, values = ragged(len(past), hq, h, d, n, past, counts, torch.float32)
-    out = chunk_attention(query, keys, values, np.array(past), np.array(counts), 0.3)
+    out = chunk_attention(*(t.to(DEVICE) for t in (query, keys, values)), np.array(past), np.array(counts), 0.3,
+                          use_triton).cpu()
     torch.testing.assert_close(out.double(), reference(query, keys, values, past, counts, 0.3), atol=1e-5, rtol=1e-5)
     padding = torch.arange(n)[None, :] < (n - torch.tensor(counts))[:, None]
     assert not out[padding].any()                                       # padding rows are zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunk_attention_kernel_in_half_precision_over_several_key_blocks(dtype):
+    """The Triton kernel with 16-bit inputs, head_dim 128, GQA 4 and cached lengths of several key blocks (odd, one
+    empty) and a chunk longer than one program's rows: within 16-bit rounding of the float64 reference (on a CPU the
+    interpreter computes in float32, kernels/decode_attention.py's dot_dtype)."""
+    past, counts, n = [150, 0, 77], [20, 3, 19], 20
+    query, keys, values = ragged(3, 8, 2, 128, n, past, counts, dtype, seed=2)
+    out = chunk_attention(*(t.to(DEVICE) for t in (query, keys, values)), np.array(past), np.array(counts), 0.088,
+                          True).cpu()
+    expected = reference(query, keys, values, past, counts, 0.088)
+    assert out.dtype == dtype
+    assert (out.double() - expected).norm() / expected.norm() < 1e-2

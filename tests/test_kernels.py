@@ -20,8 +20,8 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC, DecodeWorkspace,
-                                      balanced_splits, decode_attention, decode_attention_ref, default_splits,
+from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC, TMA_KERNELS,
+                                      DecodeWorkspace, balanced_splits, decode_attention, decode_attention_ref, default_splits,
                                       field_weights, gather_kv, gluon_maxnreg, merge_blocks, merge_splits, split_count,
                                       unpack_asm)
 from kernels.decode_rest import rest_parts, rest_warps
@@ -260,15 +260,16 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     the zero terms and the sums of p): it must be about as close to the reference as the Triton kernel (within
     25 %), or within a quarter of the tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton
     kernel's operands are bf16), 0.8-1.08x the Triton kernel's error with fp16 ones. The TMA copies
-    (kernel="gluon-tma") move the same bytes: the same bar, on Hopper."""
+    (kernel="gluon-tma", a box a chunk; "gluon-tma-planes", a 3-D box a plane) move the same bytes: the same bar,
+    on Hopper."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
-    if kernel == "gluon-tma" and torch.cuda.get_device_capability()[0] != 9:
+    if kernel in TMA_KERNELS and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("decode_gluon.supports_tma takes Hopper GPUs only (the only kind the TMA copies ran on)")
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
                                v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
-    assert (decode_gluon.supports_tma if kernel == "gluon-tma" else decode_gluon.supports)(q, kv)
+    assert (decode_gluon.supports_tma if kernel in TMA_KERNELS else decode_gluon.supports)(q, kv)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
     for splits, maxnreg in ((1, 255), (3, 168), (None, None)):          # None: the defaults
@@ -327,14 +328,16 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
                                             ("kivi-k2v2", torch.float16, 255, False),
                                             ("kitty", torch.bfloat16, 255, False),
                                             ("kitty-pro", torch.bfloat16, 168, False),
-                                            ("kitty-pro", torch.bfloat16, 168, True)):
-            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=maxnreg, use_tma=tma)
+                                            ("kitty-pro", torch.bfloat16, 168, True),
+                                            ("kitty-pro", torch.bfloat16, 168, "planes")):
+            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=maxnreg, use_tma=bool(tma),
+                                            planes=tma == "planes")
             row = profile(compiled)
             ptx = compiled.asm["ptx"]
             wide = ptx.count("cp.async.bulk.tensor") if tma else ptx.count("cp.async.cg.shared.global [")
-            planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128, use_tma=tma)
-            print(method + ("-168" if maxnreg < 255 else "") + ("-tma" if tma else ""), row["loop matrix"],
-                  row["loop local ld/st"], row["shared bytes"], planned, wide)
+            planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128, use_tma=bool(tma))
+            print(method + ("-168" if maxnreg < 255 else "") + ("-tma" if tma is True else f"-{tma}" if tma else ""),
+                  row["loop matrix"], row["loop local ld/st"], row["shared bytes"], planned, wide)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
@@ -349,7 +352,8 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     assert rows["kivi-k2v2"][0] == 4 * (16 + 16) + ones, run.stdout
     assert rows["kitty"][0] == 4 * (16 + 2 + 16) + ones, run.stdout
     # at the default cap of 168 registers (decode_attention.GLUON_MAXNREG), and with TMA copies: the same page loop
-    assert rows["kitty-pro-168"][0] == rows["kitty-pro"][0] == rows["kitty-pro-168-tma"][0], run.stdout
+    assert rows["kitty-pro-168"][0] == rows["kitty-pro"][0] == rows["kitty-pro-168-tma"][0] \
+        == rows["kitty-pro-168-planes"][0], run.stdout
     for method, (matrix, spills, shared, planned, wide) in rows.items():
         assert spills == 0 and shared == planned, run.stdout
     # a page's key and value codes in 16-byte cp.async copies
@@ -358,6 +362,61 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     # with TMA: a box per chunk of each plane and per vector, 14 a kitty-pro page, issued once in the first slots
     # and once in the loop
     assert rows["kitty-pro-168-tma"][4] == 2 * 14, run.stdout
+    # with a 3-D box a plane: 8 (3 planes, 5 vectors)
+    assert rows["kitty-pro-168-planes"][4] == 2 * 8, run.stdout
+
+
+def test_pdl_compiles_into_the_kernels_for_hopper():
+    """decode_attention(pdl=True): either paged kernel lets the remaining blocks' kernel launch at once
+    (griddepcontrol.launch_dependents), which lets the merge launch at once and waits for the paged grid before it
+    ends (griddepcontrol.wait), and the merge waits for it before it reads a partial; compiled for sm_90 without a
+    GPU, the Gluon page loop unchanged. Without the option none of these instructions is there. (Its results on a
+    GPU: test_decode_attention_with_pdl_equals_without.)"""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.sass_profile import (compile_gluon_kernel, compile_merge_kernel, compile_rest_kernel,
+                                          compile_split_kernel, profile)
+        for on in (False, True):
+            rest = compile_rest_kernel("kitty-pro", torch.bfloat16, 4, pdl=on).asm["ptx"]
+            split = compile_split_kernel("kitty-pro", torch.bfloat16, 4, pdl=on).asm["ptx"]
+            gluon = compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, pdl=on)
+            merge = compile_merge_kernel(pdl=on).asm["ptx"]
+            print(on, "griddepcontrol.launch_dependents" in split,
+                  "griddepcontrol.launch_dependents" in gluon.asm["ptx"],
+                  "griddepcontrol.launch_dependents" in rest and "griddepcontrol.wait" in rest,
+                  "griddepcontrol.wait" in merge, profile(gluon)["loop instructions"])
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    plain, chained = (line.split() for line in run.stdout.splitlines())
+    assert plain[:5] == ["False"] * 5 and chained[:5] == ["True"] * 5, run.stdout
+    assert plain[5] == chained[5], run.stdout
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a Hopper or later GPU")
+@pytest.mark.parametrize("kernel", ["auto", "triton"])
+def test_decode_attention_with_pdl_equals_without(kernel):
+    """The same partials in either launch order, so the same output to the bit (one sequence, as at batch 1, and a
+    ragged batch with a sequence shorter than a page), also under a CUDA graph as decode steps replay it, and with
+    the partials poisoned first: a merge that read before a partial was written would differ."""
+    for lengths in ([4100], [4100, 300, 1]):
+        kv, _, _ = random_paged_kv(lengths, heads=2, head_dim=128, n_boost=32, seed=5, device=DEVICE,
+                                   dtype=torch.bfloat16)
+        q = torch.randn(len(lengths), 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
+        plain = decode_attention(q, kv, 128 ** -0.5, kernel=kernel).clone()
+        workspace = DecodeWorkspace()
+        decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=True, workspace=workspace)
+        torch.testing.assert_close(workspace.buffers[3], plain, atol=0, rtol=0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=True, workspace=workspace)
+        for _ in range(3):
+            for buffer in workspace.buffers:
+                buffer.fill_(float("nan"))
+            graph.replay()
+            torch.testing.assert_close(out, plain, atol=0, rtol=0)
 
 
 def test_default_splits_are_the_h200_sweeps_best():
