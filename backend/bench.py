@@ -223,8 +223,11 @@ def bench_attention(args) -> dict:
                     err = (launches().float() - reference).abs().max().item()  # vs exact FP16: quantization error
                     seconds = median_seconds(launches, args.quick)
                     # each of the call's three launches alone (the remaining blocks, the paged slots, the merge), on
-                    # the buffers of the call just made: what the call's time is made of, and its gaps
-                    parts_us = {f"{part}_us": median_seconds(getattr(launches, part), args.quick) * 1e6
+                    # the buffers of the call just made: what the call's time is made of, and its gaps. Launched
+                    # without PDL: replays of one launch chained by PDL would overlap each other
+                    alone = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=False)
+                    alone()
+                    parts_us = {f"{part}_us": median_seconds(getattr(alone, part), args.quick) * 1e6
                                 for part in ("remaining", "paged", "merge")}
                     name = (method if kernel == "auto" else f"{method}/{kernel}") + {None: "", False: "-pdl",
                                                                                       True: "+pdl"}[pdl]
@@ -308,18 +311,16 @@ def bench_tune(args) -> dict:
                       "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)] + [gluon(GLUON_MAXNREG, splits=(
                           default_splits(batch, h, pages, sm_count, gluon_resident(kv, d, GLUON_MAXNREG))))],
                       "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
-                      # the copy paths (cp.async; TMA a box a chunk, "gluon-tma"; TMA a box a plane,
-                      # "gluon-tma-planes") at both default caps
-                      "gluon-tma": [gluon(r, kernel=k) for k in ("gluon", "gluon-tma", "gluon-tma-planes")
+                      # both copy paths (cp.async, TMA: kernel "gluon-tma") at both default caps
+                      "gluon-tma": [gluon(r, kernel=k) for k in ("gluon", "gluon-tma")
                                     for r in (GLUON_MAXNREG, GLUON_MAXNREG_FEW)],
                       # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
                       # (None: decode_rest.rest_warps, by the launch's programs)
                       "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
                                for w in (1, 2, 4)],
-                      # the three launches chained by programmatic dependent launch (decode_launches' pdl), with
-                      # the default Gluon kernel at its default cap and split, and with each of the copy paths
-                      "pdl": [{**gluon(cap, kernel=k), "pdl": p} for k in (default_gluon, "gluon-tma-planes")
-                              for p in (False, True)]}
+                      # the default Gluon kernel at its default cap and split, with its three launches in a row and
+                      # chained by programmatic dependent launch (decode_launches' pdl)
+                      "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:
@@ -731,11 +732,13 @@ def chunk_attention_rows(batch: int, prompt: int, turn: int) -> list[dict]:
     keys, values = (torch.randn(batch, prompt + turn, 8, 128, device="cuda", dtype=torch.bfloat16,
                                 generator=gen).transpose(1, 2) for _ in range(2))
     counts = np.full(batch, turn)
+    # the kernel's output first, kept, so that its memory cannot be a block the PyTorch path's output left behind
+    kernel_out = chunk_attention(query, keys, values, past, counts, 0.088, use_triton=True).float()
     reference = chunk_attention(query, keys, values, past, counts, 0.088, use_triton=False).float()
     rows = []
     for use_triton in (True, False):
         run = lambda: chunk_attention(query, keys, values, past, counts, 0.088, use_triton)  # noqa: E731
-        err = (run().float() - reference).abs().max().item()
+        err = ((kernel_out if use_triton else run().float()) - reference).abs().max().item()
         ms = triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")
         rows.append(dict(method=f"chunk-attention (one layer, {'triton' if use_triton else 'sdpa per length'})",
                          batch=batch, prompt=prompt, turn=turn, distinct_lengths=len(set(past.tolist())), ms=ms,

@@ -556,14 +556,14 @@ class DecodeWorkspace:
             self.buffers = (part_o, part_m, torch.empty_like(part_m), torch.empty_like(q))
         return self.buffers
 
-    def tma_descriptors(self, kv: PagedKV, head_dim: int, planes: bool = False) -> tuple:
-        """decode_gluon.tma_descriptors(kv, head_dim, planes), made again only when a page tensor has moved or
-        changed shape (a cache's pools grow by reallocation): making them takes about 170 us on CI's CPU, in every
-        layer's every decode step that no CUDA graph replays; this check takes 6."""
+    def tma_descriptors(self, kv: PagedKV, head_dim: int) -> tuple:
+        """decode_gluon.tma_descriptors(kv, head_dim), made again only when a page tensor has moved or changed
+        shape (a cache's pools grow by reallocation): making them takes about 170 us on CI's CPU, in every layer's
+        every decode step that no CUDA graph replays; this check takes 6."""
         from . import decode_gluon
-        key = (head_dim, planes, *((t.data_ptr(), t.shape, t.stride()) for t in decode_gluon.page_tensors(kv)))
+        key = (head_dim, *((t.data_ptr(), t.shape, t.stride()) for t in decode_gluon.page_tensors(kv)))
         if key != self.descriptor_key:
-            self.descriptors, self.descriptor_key = decode_gluon.tma_descriptors(kv, head_dim, planes), key
+            self.descriptors, self.descriptor_key = decode_gluon.tma_descriptors(kv, head_dim), key
         return self.descriptors
 
 
@@ -591,7 +591,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-planes")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -609,11 +609,10 @@ GLUON_MAXNREG_FEW = 192
 # 446.2 against 482.6 us at batch 64 / 32K, 66.4 against 74.8 at 8 / 32K, 87.9 against 96.1 at 64 / 4K, 18.7
 # against 19.2 at 1 / 32K, equal at 1 / 4K: "auto" takes it wherever it applies, and "gluon" (cp.async) elsewhere
 # (GPUs before Hopper)
-GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-planes")
+GLUON_KERNELS = ("gluon", "gluon-tma")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it (an experiment made
 # the default before its measurement, so that the GPU tests of the caches and CUDA graphs run it)
 PDL = True
-TMA_KERNELS = ("gluon-tma", "gluon-tma-planes")     # "gluon-tma-planes": a 3-D TMA box a plane (decode_gluon._tma_plane)
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
@@ -658,8 +657,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     Gluon kernel's programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned
     on the H200: MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
-    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-planes" (its copies a 3-D box
-    a plane: an experiment, not yet measured) or "auto" (choose_kernel). rest_warps: warps a program of the remaining
+    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback) or "auto" (choose_kernel). rest_warps: warps a program of the remaining
     blocks (default: decode_rest.rest_warps). pdl: the three launches chained by programmatic dependent launch
     (decode_launches; default PDL). With a workspace, its buffers are reused (see DecodeWorkspace); without, they
     are allocated per call."""
@@ -708,7 +706,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         kernel = choose_kernel(q, kv, num_warps)
     elif kernel in GLUON_KERNELS:
         from . import decode_gluon
-        kernel = kernel if (decode_gluon.supports_tma if kernel in TMA_KERNELS else decode_gluon.supports)(q, kv) \
+        kernel = kernel if (decode_gluon.supports_tma if kernel == "gluon-tma" else decode_gluon.supports)(q, kv) \
             else "triton"
     if num_splits is None:
         num_splits = split_count(q, kv, kernel, maxnreg or (GLUON_MAXNREG if kernel in GLUON_KERNELS else MAXNREG),
@@ -734,11 +732,11 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
 
     if kernel in GLUON_KERNELS:
         from . import decode_gluon
-        use_tma, planes = kernel in TMA_KERNELS, kernel == "gluon-tma-planes"
-        descriptors = workspace.tma_descriptors(kv, d, planes) if use_tma else None
+        use_tma = kernel == "gluon-tma"
+        descriptors = workspace.tma_descriptors(kv, d) if use_tma else None
 
         def paged():
-            decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, planes, pdl)
+            decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, pdl)
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
 

@@ -364,34 +364,28 @@ def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr, TMA: 
 
 
 # ------------------------------------------------------------------------------------------- the same copies by TMA
-# decode_attention(kernel="gluon-tma", the default on Hopper): each chunk of a plane is one TMA box of (rows, 16 or
-# 32 bytes), the vectors boxes of one row, all on one mbarrier per kind that counts the page's bytes. Why: cp.async
-# writes a page row's 4 chunks on the same banks (ncu: 16 shared-memory wavefronts an instruction where 4 would do,
-# 262 a page where 71 would), and its 23 instructions a page carry their own address arithmetic; a TMA box is written
-# whole, by one instruction. Measured on the H200: 4-11 % faster at batches 8 and 64, 3 % or less at batch 1, with
-# 50 more instructions in the page loop (1,428: the uniform datapath's address arithmetic, 14 more barriers, 2 proxy
-# fences) and DRAM throughput 64 -> 72 % (ncu; BENCHMARKS.md section 1, session 16, call 5).
-TMA_CHUNKS = gl.constexpr(1)        # the kernel's TMA: its copies by TMA, a box a chunk of each plane
-TMA_PLANES = gl.constexpr(2)        # ... a 3-D box a plane (decode_attention(kernel="gluon-tma-planes"))
-
-
+# decode_attention(kernel="gluon-tma", the default on Hopper): each plane is one TMA box of its chunks (_tma_plane),
+# each vector a box of one row, all on one mbarrier per kind that counts the page's bytes. Why: cp.async writes a
+# page row's 4 chunks on the same banks (ncu: 16 shared-memory wavefronts an instruction where 4 would do, 262 a page
+# where 71 would), and its 23 instructions a page carry their own address arithmetic; a TMA box is written whole, by
+# one instruction. Measured on the H200 with a box a chunk: 4-11 % faster than cp.async at batches 8 and 64, 3 % or
+# less at batch 1, DRAM throughput 64 -> 72 % (ncu; BENCHMARKS.md section 1, session 16, call 5); a box a plane took
+# 6 of its 14 barriers and 44 of its 1,428 instructions a page off (session 18).
 @gluon.constexpr_function
 def _tma_shared(bits, rank=2):
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=rank)
 
 
 @gluon.jit
-def _tma_plane(desc, row, bar, buf, CH: gl.constexpr, R: gl.constexpr, C: gl.constexpr, PLANES: gl.constexpr):
+def _tma_plane(desc, row, bar, buf, CH: gl.constexpr, R: gl.constexpr, C: gl.constexpr):
     """The chunked plane (_plane_shape: CH chunks of R rows of C bytes) of the page whose first row is `row`, into
-    buf: one box a chunk, or with PLANES one 3-D box of all chunks (desc: the planes seen as (chunk, row, column),
-    tma_descriptors). Why PLANES: Triton puts a barrier before every TMA copy it issues (bar.sync, then one elected
-    thread), 14 a kitty-pro page with a box a chunk, 8 with a box a plane."""
-    if PLANES:
-        tma.async_copy_global_to_shared(desc, [0, row, 0], bar, buf._reinterpret(gl.uint8, [CH, R, C],
-                                                                                   _tma_shared(8, 3)))
-    else:
-        for c in gl.static_range(CH):
-            tma.async_copy_global_to_shared(desc, [row, c * C], bar, buf.slice(c * R, R))
+    buf, as one 3-D box (desc: the planes seen as (chunk, row, column), tma_descriptors). Why one box a plane
+    rather than one a chunk: Triton puts a barrier before every TMA copy it issues (bar.sync, then one elected
+    thread), 14 a kitty-pro page with a box a chunk, 8 with a box a plane, and the page loop is 44 instructions
+    shorter (1,384). Measured on the H200 in one run (BENCHMARKS.md section 1, session 18, call 3): 443.2 against
+    449.8 us at batch 64 / 32K, 114.1 against 118.2 at 16 / 32K, equal within 0.5 us at 11 of the other 12
+    shapes, 0.5 us slower at 8 / 32K."""
+    tma.async_copy_global_to_shared(desc, [0, row, 0], bar, buf._reinterpret(gl.uint8, [CH, R, C], _tma_shared(8, 3)))
 
 
 @gluon.jit
@@ -402,33 +396,33 @@ def _tma_vector(desc, row, bar, buf, N: gl.constexpr, DTYPE: gl.constexpr, BITS:
 
 @gluon.jit
 def _tma_keys(kbufs, bar, kpage, klow_d, khigh_d, kch_d, kscale_d, kzero_d, D: gl.constexpr, G: gl.constexpr,
-              NB: gl.constexpr, PLANES: gl.constexpr):
+              NB: gl.constexpr):
     """TMA of key page `kpage`'s tiles into kbufs, counted on mbarrier bar."""
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     G4: gl.constexpr = G // 4
     mbarrier.expect(bar, G4 * (D + NB) + NB + 4 * D)
     row = (kpage * G4).to(gl.int32)
-    _tma_plane(klow_d, row, bar, klow_s, D // KC, G4, KC, PLANES)
+    _tma_plane(klow_d, row, bar, klow_s, D // KC, G4, KC)
     _tma_vector(kscale_d, kpage.to(gl.int32), bar, kscale_s, D, gl.float16, 16)
     _tma_vector(kzero_d, kpage.to(gl.int32), bar, kzero_s, D, gl.float16, 16)
     if NB > 0:
         NBC: gl.constexpr = _chunk(NB)
-        _tma_plane(khigh_d, row, bar, khigh_s, NB // NBC, G4, NBC, PLANES)
+        _tma_plane(khigh_d, row, bar, khigh_s, NB // NBC, G4, NBC)
         _tma_vector(kch_d, kpage.to(gl.int32), bar, ch_s, NB, gl.uint8, 8)
 
 
 @gluon.jit
 def _tma_values(vbufs, bar, vpage, vlow_d, vhigh_d, vscale_d, vzero_d, D: gl.constexpr, G: gl.constexpr,
-                V_BITS: gl.constexpr, PLANES: gl.constexpr):
+                V_BITS: gl.constexpr):
     """TMA of value page `vpage`'s tiles into vbufs, counted on mbarrier bar."""
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
     D4: gl.constexpr = D // 4
     G4: gl.constexpr = G // 4
     mbarrier.expect(bar, D4 * G * (V_BITS // 2) + 4 * G)
     row = (vpage * D4).to(gl.int32)
-    _tma_plane(vlow_d, row, bar, vlow_s, 4, D4, G4, PLANES)
+    _tma_plane(vlow_d, row, bar, vlow_s, 4, D4, G4)
     if V_BITS == 4:
-        _tma_plane(vhigh_d, row, bar, vhigh_s, 4, D4, G4, PLANES)
+        _tma_plane(vhigh_d, row, bar, vhigh_s, 4, D4, G4)
     _tma_vector(vscale_d, vpage.to(gl.int32), bar, vscale_s, G, gl.float16, 16)
     _tma_vector(vzero_d, vpage.to(gl.int32), bar, vzero_s, G, gl.float16, 16)
 
@@ -450,7 +444,7 @@ def _fetch_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D: gl.const
     """Key page `kpage` on its way into kbufs: by TMA on kbar (klow...: tensor descriptors), or as one cp.async
     group (klow...: pointers)."""
     if TMA:
-        _tma_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D, G, NB, TMA == TMA_PLANES)
+        _tma_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D, G, NB)
     else:
         _copy_keys(kbufs, kpage, klow, khigh, kch, kscale, kzero, D, G, NB)
 
@@ -460,7 +454,7 @@ def _fetch_values(vbufs, vbar, vpage, vlow, vhigh, vscale, vzero, D: gl.constexp
                   V_BITS: gl.constexpr, TMA: gl.constexpr):
     """Value page `vpage` on its way into vbufs, as _fetch_keys."""
     if TMA:
-        _tma_values(vbufs, vbar, vpage, vlow, vhigh, vscale, vzero, D, G, V_BITS, TMA == TMA_PLANES)
+        _tma_values(vbufs, vbar, vpage, vlow, vhigh, vscale, vzero, D, G, V_BITS)
     else:
         _copy_values(vbufs, vpage, vlow, vhigh, vscale, vzero, D, G, V_BITS)
 
@@ -576,8 +570,7 @@ def _gluon_paged_kernel(
         V_BITS: gl.constexpr, TMA: gl.constexpr, PDL: gl.constexpr = False):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
-    tensors, as pointers or, with TMA (TMA_CHUNKS: decode_attention(kernel="gluon-tma"), TMA_PLANES:
-    kernel="gluon-tma-planes"), as tensor descriptors; kscale_rows: the key scales as a pointer, for the boosted
+    tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows: the key scales as a pointer, for the boosted
     channels' gather. PDL: the remaining blocks' kernel after it may start at once (decode_launches' pdl)."""
     if PDL:
         _launch_dependents()
@@ -680,20 +673,18 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, by_shared))
 
 
-def tma_descriptors(kv: PagedKV, head_dim: int, planes: bool = False) -> tuple:
-    """The page tensors as the TMA path reads them: each plane a 2-D view (page x head x row, column) with a box of
-    one chunk, or with `planes` a 3-D view (chunk, page x head x row, column) with a box of all its chunks; each
-    vector a box of one row. A plane the method lacks gets the low plane's descriptor (never read)."""
+def tma_descriptors(kv: PagedKV, head_dim: int) -> tuple:
+    """The page tensors as the TMA path reads them: each plane a 3-D view (chunk, page x head x row, column) with a
+    box of all of a page's chunks (_tma_plane), each vector a 2-D view (page x head, element) with a box of one
+    row. A plane the method lacks gets the low plane's descriptor (never read)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     g, nb, d = kv.page_size, kv.n_boost, head_dim
 
-    def desc(t, columns, box, bits=8):
-        return TensorDescriptor.from_tensor(t.view(-1, columns), box, _tma_shared(bits))
+    def vector(t, columns, bits):
+        return TensorDescriptor.from_tensor(t.view(-1, columns), [1, columns], _tma_shared(bits))
 
     def plane(t, columns, rows, chunk):
-        """A code plane of `rows` rows of `columns` bytes a page, read `chunk` columns at a time."""
-        if not planes:
-            return desc(t, columns, [rows, chunk])
+        """A code plane of `rows` rows of `columns` bytes a page, in chunks of `chunk` columns."""
         n = columns // chunk
         return TensorDescriptor(t, [n, t.numel() // columns, chunk], [chunk, columns, 1], [n, rows, chunk],
                                 _tma_shared(8, 3))
@@ -701,9 +692,9 @@ def tma_descriptors(kv: PagedKV, head_dim: int, planes: bool = False) -> tuple:
     klow = plane(kv.k_low, d, g // 4, KC.value)
     vlow = plane(kv.v_low, g, d // 4, g // 4)
     khigh = plane(kv.k_high, nb, g // 4, min(nb, KC.value)) if nb else klow
-    return (klow, khigh, desc(kv.k_ch, nb, [1, nb]) if nb else klow, desc(kv.k_scale, d, [1, d], 16),
-            desc(kv.k_zero, d, [1, d], 16), vlow, plane(kv.v_high, g, d // 4, g // 4) if kv.v_bits == 4 else vlow,
-            desc(kv.v_scale, g, [1, g], 16), desc(kv.v_zero, g, [1, g], 16))
+    return (klow, khigh, vector(kv.k_ch, nb, 8) if nb else klow, vector(kv.k_scale, d, 16),
+            vector(kv.k_zero, d, 16), vlow, plane(kv.v_high, g, d // 4, g // 4) if kv.v_bits == 4 else vlow,
+            vector(kv.v_scale, g, 16), vector(kv.v_zero, g, 16))
 
 
 def page_tensors(kv: PagedKV) -> tuple:
@@ -712,20 +703,18 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
-                     use_tma: bool = False, descriptors: tuple | None = None,
-                     planes: bool = False) -> tuple[tuple, dict]:
+                     use_tma: bool = False, descriptors: tuple | None = None) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    use_tma the TMA copies, a box a chunk or with `planes` a box a plane (with `descriptors`, kv's tma_descriptors
-    made earlier; else made here). Also used to compile the kernel for a profile (kernels.sass_profile)."""
+    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here). Also used to
+    compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
-    pages = (descriptors or tma_descriptors(kv, d, planes)) if use_tma else page_tensors(kv)
+    pages = (descriptors or tma_descriptors(kv, d)) if use_tma else page_tensors(kv)
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
-    copies = (TMA_PLANES.value if planes else TMA_CHUNKS.value) if use_tma else 0
-    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=copies)
+    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma)
     return args, constants
 
 
@@ -737,9 +726,9 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           use_tma: bool = False, descriptors: tuple | None = None, planes: bool = False, pdl: bool = False) -> None:
+           use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, planes)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

@@ -20,7 +20,7 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC, TMA_KERNELS,
+from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC,
                                       DecodeWorkspace, balanced_splits, decode_attention, decode_attention_ref, default_splits,
                                       field_weights, gather_kv, gluon_maxnreg, merge_blocks, merge_splits, split_count,
                                       unpack_asm)
@@ -260,16 +260,15 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     the zero terms and the sums of p): it must be about as close to the reference as the Triton kernel (within
     25 %), or within a quarter of the tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton
     kernel's operands are bf16), 0.8-1.08x the Triton kernel's error with fp16 ones. The TMA copies
-    (kernel="gluon-tma", a box a chunk; "gluon-tma-planes", a 3-D box a plane) move the same bytes: the same bar,
-    on Hopper."""
+    (kernel="gluon-tma") move the same bytes: the same bar, on Hopper."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
-    if kernel in TMA_KERNELS and torch.cuda.get_device_capability()[0] != 9:
+    if kernel == "gluon-tma" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("decode_gluon.supports_tma takes Hopper GPUs only (the only kind the TMA copies ran on)")
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
                                v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
-    assert (decode_gluon.supports_tma if kernel in TMA_KERNELS else decode_gluon.supports)(q, kv)
+    assert (decode_gluon.supports_tma if kernel == "gluon-tma" else decode_gluon.supports)(q, kv)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
     for splits, maxnreg in ((1, 255), (3, 168), (None, None)):          # None: the defaults
@@ -328,16 +327,14 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
                                             ("kivi-k2v2", torch.float16, 255, False),
                                             ("kitty", torch.bfloat16, 255, False),
                                             ("kitty-pro", torch.bfloat16, 168, False),
-                                            ("kitty-pro", torch.bfloat16, 168, True),
-                                            ("kitty-pro", torch.bfloat16, 168, "planes")):
-            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=maxnreg, use_tma=bool(tma),
-                                            planes=tma == "planes")
+                                            ("kitty-pro", torch.bfloat16, 168, True)):
+            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=maxnreg, use_tma=tma)
             row = profile(compiled)
             ptx = compiled.asm["ptx"]
             wide = ptx.count("cp.async.bulk.tensor") if tma else ptx.count("cp.async.cg.shared.global [")
-            planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128, use_tma=bool(tma))
-            print(method + ("-168" if maxnreg < 255 else "") + ("-tma" if tma is True else f"-{tma}" if tma else ""),
-                  row["loop matrix"], row["loop local ld/st"], row["shared bytes"], planned, wide)
+            planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128, use_tma=tma)
+            print(method + ("-168" if maxnreg < 255 else "") + ("-tma" if tma else ""), row["loop matrix"],
+                  row["loop local ld/st"], row["shared bytes"], planned, wide)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
@@ -352,18 +349,15 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     assert rows["kivi-k2v2"][0] == 4 * (16 + 16) + ones, run.stdout
     assert rows["kitty"][0] == 4 * (16 + 2 + 16) + ones, run.stdout
     # at the default cap of 168 registers (decode_attention.GLUON_MAXNREG), and with TMA copies: the same page loop
-    assert rows["kitty-pro-168"][0] == rows["kitty-pro"][0] == rows["kitty-pro-168-tma"][0] \
-        == rows["kitty-pro-168-planes"][0], run.stdout
+    assert rows["kitty-pro-168"][0] == rows["kitty-pro"][0] == rows["kitty-pro-168-tma"][0], run.stdout
     for method, (matrix, spills, shared, planned, wide) in rows.items():
         assert spills == 0 and shared == planned, run.stdout
     # a page's key and value codes in 16-byte cp.async copies
     assert rows["kitty-pro"][4] >= (4096 + 1024 + 4096) // 16 // 32 and rows["kivi-k2v2"][4] >= 8192 // 16 // 32
     assert rows["kitty"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
-    # with TMA: a box per chunk of each plane and per vector, 14 a kitty-pro page, issued once in the first slots
-    # and once in the loop
-    assert rows["kitty-pro-168-tma"][4] == 2 * 14, run.stdout
-    # with a 3-D box a plane: 8 (3 planes, 5 vectors)
-    assert rows["kitty-pro-168-planes"][4] == 2 * 8, run.stdout
+    # with TMA: a 3-D box per plane and a box per vector, 8 a kitty-pro page (3 planes, 5 vectors), issued once in
+    # the first slots and once in the loop
+    assert rows["kitty-pro-168-tma"][4] == 2 * 8, run.stdout
 
 
 def test_pdl_compiles_into_the_kernels_for_hopper():
