@@ -88,8 +88,7 @@ def chunk_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torc
                            counts: np.ndarray, scaling: float) -> torch.Tensor:
     """query (B, HQ, n, D); keys, values (B, H, W, D) (any strides with contiguous channels): sequence b's past[b]
     cached tokens, then its counts[b] real chunk tokens, then anything (W >= past + counts). Returns (B, n, HQ, D):
-    each real query row attends causally over its sequence's keys; padding rows are zeros (written here). The same
-    contract as backend.chunk_attention.chunk_attention."""
+    each real query row attends causally over its sequence's keys; padding rows are zeros (written here)."""
     bsz, hq, n, d = query.shape
     h = keys.shape[1]
     group = hq // h
@@ -97,7 +96,7 @@ def chunk_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torc
     lengths = torch.as_tensor(np.stack([np.asarray(past), np.asarray(counts)]), dtype=torch.int32,
                               device=query.device)
     group_p2 = triton.next_power_of_2(group)
-    block_q = max(16 // group_p2, 64 // group_p2)      # 64-row tiles: 16 chunk rows of a 4-head group
+    block_q = max(1, 64 // group_p2)                   # 64-row tiles: 16 chunk rows of a 4-head group
     dot = dot_dtype(query.dtype)
     for t in (query, keys, values):
         assert t.stride(-1) == 1, "channels must be contiguous"
