@@ -269,7 +269,8 @@ class KittyLayer(CacheLayerMixin):
         counts = np.full(query.shape[0], query.shape[2]) if counts is None else np.asarray(counts)
         keys = self._dense("key", query.dtype, key, counts)
         values = self._dense("value", query.dtype, value, counts)
-        return chunk_attention(query, keys, values, self.lengths, counts, scaling, self._triton())
+        lengths = self.to_device(self.lengths, counts) if self._triton() else None      # pinned, no stream sync
+        return chunk_attention(query, keys, values, self.lengths, counts, scaling, self._triton(), lengths)
 
     def _dense(self, kind: str, dtype: torch.dtype, chunk: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
         """Every sequence's keys or values in token order, then the last counts[b] tokens of `chunk` (B, H, n, D):

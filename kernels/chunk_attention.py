@@ -85,16 +85,18 @@ def _chunk_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, past_ptr, count_ptr, q
 
 
 def chunk_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: np.ndarray,
-                           counts: np.ndarray, scaling: float) -> torch.Tensor:
+                           counts: np.ndarray, scaling: float,
+                           device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """query (B, HQ, n, D); keys, values (B, H, W, D) (any strides with contiguous channels): sequence b's past[b]
     cached tokens, then its counts[b] real chunk tokens, then anything (W >= past + counts). Returns (B, n, HQ, D):
-    each real query row attends causally over its sequence's keys; padding rows are zeros (written here)."""
+    each real query row attends causally over its sequence's keys; padding rows are zeros (written here).
+    device_lengths: past and counts already on the device (a cache's pinned copies), else copied here."""
     bsz, hq, n, d = query.shape
     h = keys.shape[1]
     group = hq // h
     out = torch.empty((bsz, n, hq, d), dtype=query.dtype, device=query.device)
-    lengths = torch.as_tensor(np.stack([np.asarray(past), np.asarray(counts)]), dtype=torch.int32,
-                              device=query.device)
+    lengths = device_lengths or torch.as_tensor(np.stack([np.asarray(past), np.asarray(counts)]), dtype=torch.int32,
+                                                device=query.device)
     group_p2 = triton.next_power_of_2(group)
     block_q = max(1, 64 // group_p2)                   # 64-row tiles: 16 chunk rows of a 4-head group
     dot = dot_dtype(query.dtype)
@@ -128,9 +130,10 @@ def chunk_attention_ref(query: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 
 def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: np.ndarray,
-                    counts: np.ndarray, scaling: float, use_triton: bool) -> torch.Tensor:
+                    counts: np.ndarray, scaling: float, use_triton: bool,
+                    device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The chunk's attention (the contract of chunk_attention_triton): the Triton kernel, one launch for any
     lengths, or the PyTorch reference (the CPU path)."""
     if use_triton:
-        return chunk_attention_triton(query, keys, values, past, counts, scaling)
+        return chunk_attention_triton(query, keys, values, past, counts, scaling, device_lengths)
     return chunk_attention_ref(query, keys, values, past, counts, scaling)
