@@ -610,8 +610,9 @@ GLUON_MAXNREG_FEW = 192
 # against 19.2 at 1 / 32K, equal at 1 / 4K: "auto" takes it wherever it applies, and "gluon" (cp.async) elsewhere
 # (GPUs before Hopper)
 GLUON_KERNELS = ("gluon", "gluon-tma")
-# decode_launches' pdl by default: the paged kernel first and the other two launched beside it (an experiment made
-# the default before its measurement, so that the GPU tests of the caches and CUDA graphs run it)
+# decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
+# against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
+# batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
 PDL = True
 
 
@@ -722,11 +723,11 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     dot = dot_dtype(q.dtype)
     pdl = (PDL if pdl is None else pdl) and pdl_supported(q.device)
 
-    # the remaining blocks first: at batch 1 they are as long as the paged slots' programs of a 4K-token sequence.
-    # (On a second stream, concurrent with the paged slots' kernel, they were 1-3 us faster at three of six shapes
-    # and as much slower at the other three; in the Gluon kernel's launch, as its own programs, slower at all six;
-    # with the paged kernel started beside them by programmatic dependent launch, 2 us slower at batch 1 / 32K and
-    # no faster than noise at batch 64: BENCHMARKS.md section 1, sessions 12 to 14.)
+    # Without PDL the remaining blocks go first: at batch 1 they are as long as the paged slots' programs of a
+    # 4K-token sequence. (Other ways to run them beside the paged kernel, measured and not kept: on a second stream,
+    # 1-3 us faster at three of six shapes and as much slower at the other three; as programs of the Gluon kernel's
+    # launch, slower at all six; first, with the paged kernel started beside them by PDL, 2 us slower at batch 1 /
+    # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
     def remaining():
         launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl)
 
