@@ -382,9 +382,9 @@ def _tma_plane(desc, row, bar, buf, CH: gl.constexpr, R: gl.constexpr, C: gl.con
     buf, as one 3-D box (desc: the planes seen as (chunk, row, column), tma_descriptors). Why one box a plane
     rather than one a chunk: Triton puts a barrier before every TMA copy it issues (bar.sync, then one elected
     thread), 14 a kitty-pro page with a box a chunk, 8 with a box a plane, and the page loop is 44 instructions
-    shorter (1,384). Measured on the H200 in one run (BENCHMARKS.md section 1, session 18, call 3): 443.2 against
-    449.8 us at batch 64 / 32K, 114.1 against 118.2 at 16 / 32K, equal within 0.5 us at 11 of the other 12
-    shapes, 0.5 us slower at 8 / 32K."""
+    shorter (1,384). Measured on the H200 in one run, with PDL (BENCHMARKS.md section 1, session 18, call 3):
+    2.9-6.5 us faster at batches 16-64 / 32K (443.2 against 449.8 at 64 / 32K), 1.0 faster at 4 / 4K, within 0.5 us
+    at 10 shapes, 0.8 slower at 1 / 4K."""
     tma.async_copy_global_to_shared(desc, [0, row, 0], bar, buf._reinterpret(gl.uint8, [CH, R, C], _tma_shared(8, 3)))
 
 
@@ -570,8 +570,8 @@ def _gluon_paged_kernel(
         V_BITS: gl.constexpr, TMA: gl.constexpr, PDL: gl.constexpr = False):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
-    tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows: the key scales as a pointer, for the boosted
-    channels' gather. PDL: the remaining blocks' kernel after it may start at once (decode_launches' pdl)."""
+    tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
+    the key scales as a pointer, for the boosted channels' gather. PDL: the remaining blocks' kernel after it may start at once (decode_launches' pdl)."""
     if PDL:
         _launch_dependents()
     b = gl.program_id(0)

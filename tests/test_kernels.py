@@ -21,8 +21,8 @@ from paged_factory import random_paged_kv
 from backend.cache import KittyLayer
 from backend.methods import method_config
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC,
-                                      DecodeWorkspace, balanced_splits, decode_attention, decode_attention_ref, default_splits,
-                                      field_weights, gather_kv, gluon_maxnreg, merge_blocks, merge_splits, split_count,
+                                      DecodeWorkspace, balanced_splits, decode_attention, decode_attention_ref,
+                                      default_splits, field_weights, gather_kv, gluon_maxnreg, merge_blocks, merge_splits, split_count,
                                       unpack_asm)
 from kernels.decode_rest import rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
