@@ -22,8 +22,8 @@ from backend.cache import KittyLayer
 from backend.methods import method_config
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC,
                                       DecodeWorkspace, balanced_splits, decode_attention, decode_attention_ref,
-                                      default_splits, field_weights, gather_kv, gluon_maxnreg, merge_blocks, merge_splits, split_count,
-                                      unpack_asm)
+                                      default_splits, field_weights, gather_kv, gluon_maxnreg, merge_blocks,
+                                      merge_splits, split_count, unpack_asm)
 from kernels.decode_rest import rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
@@ -399,7 +399,7 @@ def test_decode_attention_with_pdl_equals_without(kernel):
         kv, _, _ = random_paged_kv(lengths, heads=2, head_dim=128, n_boost=32, seed=5, device=DEVICE,
                                    dtype=torch.bfloat16)
         q = torch.randn(len(lengths), 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
-        plain = decode_attention(q, kv, 128 ** -0.5, kernel=kernel).clone()
+        plain = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=False).clone()     # PDL is the default
         workspace = DecodeWorkspace()
         decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=True, workspace=workspace)
         torch.testing.assert_close(workspace.buffers[3], plain, atol=0, rtol=0)
