@@ -507,6 +507,28 @@ def page_boundary_steps(method: str, prompt: int, steps: int, flush_spread: int 
     return flags
 
 
+# The page-boundary bar compares a step with the steps around it: over 8,192 generated tokens a step grows about 2x
+# with its context, so the slowest late step is far above the whole run's median whatever the boundaries cost
+NEIGHBOURS = 64
+
+
+def local_spikes(steps: np.ndarray, boundary: np.ndarray, neighbours: int = NEIGHBOURS) -> np.ndarray:
+    """Each page-boundary step's time over the median of the ordinary steps (not boundary ones) within `neighbours`
+    steps before and after it: how much a page boundary costs where it happens. Steps 0-1 (an eager step and a CUDA
+    graph's capture) are neither measured nor neighbours."""
+    ordinary = ~boundary
+    ordinary[:2] = False
+    ratios = []
+    for i in np.flatnonzero(boundary):
+        if i < 2:
+            continue
+        lo, hi = max(0, i - neighbours), min(len(steps), i + neighbours + 1)
+        near = steps[lo:hi][ordinary[lo:hi]]
+        if len(near):
+            ratios.append(steps[i] / np.median(near))
+    return np.array(ratios)
+
+
 def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
                  flush="auto", cache_tokens=None, cached=0):
     """One timed model.generate; cuda_graphs: replay decode steps as CUDA graphs (backend.graphs) where the cache
@@ -560,6 +582,9 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefi
         row["flush_steps_p50_ms"] = float(np.median(steps[boundary])) if boundary.any() else None
         row["flush_steps_max_ms"] = float(np.max(steps[boundary])) if boundary.any() else None
         row["flush_overhead_pct"] = float(100 * np.clip(steps[boundary] - median, 0, None).sum() / steps.sum())
+        spikes = local_spikes(steps, boundary)
+        row["flush_local_p50"] = float(np.median(spikes)) if len(spikes) else None
+        row["flush_local_max"] = float(spikes.max()) if len(spikes) else None
     return row
 
 

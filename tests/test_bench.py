@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -350,3 +351,19 @@ def test_kernel_profile_sums_the_source_pages_columns_by_opcode(tmp_path):
     assert profile[0] == "ncu" and "regex:_gluon_paged_kernel" in profile and "SourceCounters" in profile
     assert profile[-5:] == ["attention", "--batches", "64", "--out", str(tmp_path / "bench.json")]
     assert details[-2:] == ["--page", "details"] and source[-4:] == ["source", "--csv", "--print-source", "sass"]
+
+
+def test_local_spikes_compare_a_boundary_step_with_the_steps_around_it():
+    """The page-boundary bar's measure: a boundary step over the median of the ordinary steps near it, so that a
+    step time growing with the context is no spike, and the first two steps (eager, graph capture) count for
+    nothing."""
+    from backend.bench import local_spikes
+    steps = np.linspace(10.0, 20.0, 400)                  # grows 2x over the run, as a long generation does
+    steps[:2] = 500.0
+    boundary = np.zeros(400, dtype=bool)
+    boundary[[1, 100, 101, 300]] = True
+    steps[100] *= 1.5
+    steps[300] *= 1.1
+    spikes = local_spikes(steps, boundary, neighbours=8)
+    assert spikes == pytest.approx([1.5, 1.0, 1.1], rel=0.01)
+    assert local_spikes(steps, np.zeros(400, dtype=bool)).size == 0
