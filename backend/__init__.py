@@ -17,7 +17,7 @@ from .model import DEFAULT_MODEL, load_model
 
 
 def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool | None = None,
-               record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int | str = 1,
+               record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int | str = "auto",
                flush: str = "auto", decode_kernel: str = "auto", **settings) -> KittyCache:
     """A fresh cache for one generation. `method` is a preset name (METHODS), "custom", or a CacheConfig;
     keyword settings (k_bits, v_bits, sink, page_size, local_window, alpha, selection, seed) override it.

@@ -933,9 +933,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="turn: profile one more forward per method (torch.profiler) and print its costliest "
                              "operations")
-    parser.add_argument("--flush-spread", type=lambda v: v if v == "auto" else int(v), default=1,
+    parser.add_argument("--flush-spread", type=lambda v: v if v == "auto" else int(v), default="auto",
                         help="generate: quantize a batch's full buffers over this many steps (1: paper schedule; "
-                             "auto: by batch size, backend.cache.auto_flush_spread)")
+                             "auto, the caches' default: by batch size, backend.cache.auto_flush_spread)")
     parser.add_argument("--flush", choices=FLUSH_MODES, default="auto",
                         help="generate: how Kitty caches turn full buffers into pages at a page boundary ('fused': "
                              "one Triton kernel per kind, kernels/flush.py; 'auto': fused on a GPU)")

@@ -39,7 +39,7 @@ FLUSH_MODES = ("auto", "torch", "fused")
 # (BENCHMARKS.md section 2, session 7): batch 192 with flush_spread 8 (24 a step) made page-boundary steps 1.11x the
 # median step, within the 15 % bar, against 1.68x with all 192 at once; session 14: 518 sequences at a spread of 23,
 # the slowest page-boundary step 1.07x the median.
-FLUSH_SEQUENCES_PER_STEP = 24
+FLUSH_SEQUENCES_PER_STEP = 16
 
 
 def auto_flush_spread(batch: int) -> int:
@@ -61,7 +61,7 @@ class KittyLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, config: CacheConfig, layer_idx: int = 0, use_triton: bool | None = None,
-                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int | str = 1,
+                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int | str = "auto",
                  flush: str = "auto", shared_indices: dict | None = None, decode_kernel: str = "auto"):
         super().__init__()
         if flush_spread != "auto" and (isinstance(flush_spread, bool) or not isinstance(flush_spread, int)
@@ -683,7 +683,7 @@ class KittyCache(Cache):
     Sliding-window layers (hybrid models) keep transformers' own full-precision sliding cache; stats() says so."""
 
     def __init__(self, config: CacheConfig, model_config, use_triton: bool | None = None,
-                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int | str = 1,
+                 record_magnitudes: bool = True, reserve_tokens: int = 0, flush_spread: int | str = "auto",
                  flush: str = "auto", decode_kernel: str = "auto"):
         text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         layers, shared_indices = [], {}
