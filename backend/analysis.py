@@ -24,9 +24,10 @@ def bundled_text() -> str:
 
 def page_lengths(cache, start: int, end: int) -> list[int] | None:
     """The cache lengths in (start, end) at which decoding one token at a time would turn buffered tokens into a
-    page: those of a KittyCache with the paper's schedule (flush_spread 1), whose key pages form at lengths
-    sink + k * G and value pages at sink + R + k * G. Between two of them a chunk of tokens sees exactly the cache
-    that each of its tokens would see when decoded. None for other caches (fed one token at a time)."""
+    page: those of a KittyCache with the paper's schedule (flush_spread 1, or "auto" for one sequence), whose key
+    pages form at lengths sink + k * G and value pages at sink + R + k * G. Between two of them a chunk of tokens
+    sees exactly the cache that each of its tokens would see when decoded. None for other caches (fed one token at
+    a time)."""
     from .cache import KittyCache, KittyLayer
     if not isinstance(cache, KittyCache):
         return None
@@ -34,7 +35,8 @@ def page_lengths(cache, start: int, end: int) -> list[int] | None:
     for layer in cache.layers:
         if not isinstance(layer, KittyLayer):               # transformers' sliding-window layers: no pages
             continue
-        if layer.flush_spread != 1:
+        # one sequence (teacher forcing): "auto" is the paper's schedule until a layer has seen its batch
+        if layer.flush_spread not in (1, "auto"):
             return None
         cfg = layer.config
         first = [cfg.sink + cfg.page_size] * (cfg.k_bits < 16) + \

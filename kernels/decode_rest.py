@@ -51,10 +51,12 @@ def rest_blocks(page_size: int, sink: int, capacity: int) -> int:
     rest_block_tokens(page_size) tokens each: the sink's, and those of the slots after the paged ones.
     Those slots start at a slot boundary and span the longer side's buffer: with n_kpages >= n_vpages, the key pages
     past the paged slots and the key buffer hold as many tokens as the value buffer (and the other way round), so
-    at most capacity - sink tokens."""
+    at most capacity - sink tokens, and only the blocks that those tokens can reach are launched: a last slot that
+    the capacity only starts (a buffer's flush_spread - 1 waiting tokens) gets the blocks of its first tokens, not
+    a page's (kitty-pro with a spread of 13: 10 programs a sequence instead of 13)."""
     t = rest_block_tokens(page_size)
-    slots = triton.cdiv(capacity - sink, page_size)
-    return triton.cdiv(sink, t) + triton.cdiv(page_size, t) * slots
+    tokens = capacity - sink
+    return triton.cdiv(sink, t) + triton.cdiv(page_size, t) * (tokens // page_size) + triton.cdiv(tokens % page_size, t)
 
 
 @triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NPART", "FIRST_PART"])

@@ -136,9 +136,9 @@ def test_flush_spread_quantizes_a_batch_over_several_steps_into_the_same_pages(u
 
 def test_flush_spread_auto_is_the_batchs_spread():
     """flush_spread="auto" takes auto_flush_spread of the batch at the first forward (30 sequences: 2 steps of at
-    most 24; up to 24: the paper's schedule) and then runs exactly as that explicit spread."""
+    most 16; up to 16: the paper's schedule) and then runs exactly as that explicit spread."""
     from backend.cache import auto_flush_spread
-    assert [auto_flush_spread(b) for b in (1, 24, 25, 48, 49, 533)] == [1, 1, 2, 2, 3, 23]
+    assert [auto_flush_spread(b) for b in (1, 16, 17, 32, 33, 204)] == [1, 1, 2, 2, 3, 13]
     cfg = method_config("kitty", page_size=16, local_window=16, sink=4)
     model = tiny_model(heads=4, kv_heads=2, layers=1)
     ids = torch.randint(3, 256, (30, 50), generator=torch.Generator().manual_seed(12))

@@ -24,7 +24,7 @@ from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNRE
                                       DecodeWorkspace, balanced_splits, decode_attention, decode_attention_ref,
                                       default_splits, field_weights, gather_kv, gluon_maxnreg, merge_blocks,
                                       merge_splits, split_count, unpack_asm)
-from kernels.decode_rest import rest_parts, rest_warps
+from kernels.decode_rest import rest_blocks, rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import boost_mask, pack_quarters, unpack_quarters
@@ -451,6 +451,17 @@ def test_merge_blocks_split_channels_only_while_rows_are_few():
     assert merge_blocks(32, 128, 132, 136) == (256, 8)           # batch 1 / 32K: 16 programs per row, one step
     assert merge_blocks(32, 128, 132, 1000) == (256, 8)          # at most 256 parts a step
     assert merge_blocks(6, 64, 1, 20) == (32, 64) and merge_blocks(6, 64, 100, 20) == (64, 32)
+
+
+def test_rest_blocks_reach_only_the_tokens_the_buffers_can_hold():
+    """The remaining blocks' programs a sequence: the sink's, then T-token blocks over at most capacity - sink
+    tokens from a slot boundary. Kitty-pro (sink 32, pages of 128, value window 128) with the paper's schedule: 1 + 8;
+    with 12 tokens waiting (flush_spread 13) one block more, not a page's 4; pages of 48 take blocks of 32 (two a
+    page, the second half empty)."""
+    assert rest_blocks(128, 32, 32 + 128 + 128) == 9
+    assert rest_blocks(128, 32, 32 + 128 + 128 + 12) == 10
+    assert rest_blocks(48, 8, 8 + 100) == 1 + 2 * 2 + 1 and rest_blocks(48, 8, 8 + 96) == 1 + 2 * 2
+    assert rest_blocks(16, 4, 4 + 16 + 16 + 2) == 1 + 2 + 1
 
 
 def test_rest_warps_follow_the_launch_size():
