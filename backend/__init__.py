@@ -28,11 +28,11 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     never reallocate the page pools (by default they grow by exactly the pages needed).
     flush_spread: k > 1 spreads the quantization of buffers that fill at the same decode step (a batch of equal
     lengths) over k steps, ceil(B / k) sequences each, so no step stalls on the whole batch's pages; the pages
-    are the same, a few tokens just stay full precision a few steps longer. 1 (default) is the paper's schedule.
-    "auto": a spread by batch size, at most 24 sequences' pages a step (cache.auto_flush_spread; the same as 1 up to
-    24 sequences). On the H200 it kept the slowest page-boundary step within 7 % of the median step at 518
-    sequences (512 + 256 tokens), where spread 1 takes 1.5-1.9x (BENCHMARKS.md section 2, session 14); not the
-    default, because the page schedule of a further prompt chunk (backend.analysis.page_lengths) is the paper's.
+    are the same, a few tokens just stay full precision a few steps longer. 1 is the paper's schedule.
+    "auto" (default): a spread by batch size, at most 16 sequences' pages a step (cache.auto_flush_spread; the same
+    as 1 up to 16 sequences). On the H200 at 512 + 8,192 tokens it kept the slowest page-boundary step within 14 %
+    of the ordinary steps around it (204 sequences, a spread of 13), where the paper's schedule takes 1.83x
+    (BENCHMARKS.md section 2, session 19).
     flush: how a decode step's full buffers become pages. "torch": a batched quantize launch per kind between torch
     ops that choose channels, write the pool and table and shift the buffers (~33 launches a layer). "fused": one
     Triton kernel per kind does all of that (kernels/flush.py), the same pages (magnitudes up to float32 summation

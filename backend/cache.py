@@ -35,16 +35,16 @@ from .pages import DeviceIndices, PagePool, PageTable, ragged_ranges
 # How a decode step's full buffers become pages (KittyLayer's `flush`)
 FLUSH_MODES = ("auto", "torch", "fused")
 
-# flush_spread="auto": at most this many sequences' pages a decode step. Measured on the H200 at a 512-token prompt
-# (BENCHMARKS.md section 2, session 7): batch 192 with flush_spread 8 (24 a step) made page-boundary steps 1.11x the
-# median step, within the 15 % bar, against 1.68x with all 192 at once; session 14: 518 sequences at a spread of 23,
-# the slowest page-boundary step 1.07x the median.
+# flush_spread="auto" (the default): at most this many sequences' pages a decode step. Measured on the H200 at 512 +
+# 8,192 tokens, each page-boundary step against the ordinary steps around it (BENCHMARKS.md section 2, session 19):
+# 16 a step (204 sequences, spread 13) 1.08x at the median and 1.14x at the slowest, within the 15 % bar; 24 a step
+# 1.08x / 1.17x; all at once (the paper's schedule, 207 sequences) 1.57x / 1.83x.
 FLUSH_SEQUENCES_PER_STEP = 16
 
 
 def auto_flush_spread(batch: int) -> int:
     """flush_spread="auto" for a batch: the fewest steps that make at most FLUSH_SEQUENCES_PER_STEP sequences'
-    pages each (1, the paper's schedule, up to 24 sequences)."""
+    pages each (1, the paper's schedule, up to 16 sequences)."""
     return max(1, -(-batch // FLUSH_SEQUENCES_PER_STEP))
 
 # The PyTorch reference path of a further chunk dequantizes its cache's pages this many elements at a time (256 MB
