@@ -289,13 +289,17 @@ class KittyLayer(CacheLayerMixin):
         for i in range(0, len(seqs), step):
             rows_d, cols_d = self.to_device(seqs[i:i + step], cols[i:i + step])
             write(out, kind, pool, table.ids[rows_d, cols_d], rows_d, s + cols_d * g)
-        # full-precision part: token t < sink at t, else (after the pages) at sink + t - sink - pages * G
-        t = torch.arange(width, device=self.device)[None, :]
-        first = s + table.device_counts[:, None] * g                                 # first buffered token
-        src = torch.where(t < s, t, t - first + s)
-        take = ((t < s) | (t >= first)) & (t < self.seq_len[:, None]) & (src < fp.shape[2])
-        rows, where = take.nonzero(as_tuple=True)
-        out[rows, where] = fp[rows, :, src[rows, where]].to(dtype)
+        # full-precision part: token t < sink at t, else (after the pages) at sink + t - sink - pages * G. The
+        # positions come from the host's lengths and page counts (a device nonzero() waited for the GPU at every
+        # layer of a chat's next turn)
+        first = s + table.counts * g                                                  # first buffered token
+        sink_rows, sink_at = ragged_ranges(np.minimum(self.lengths, s))
+        buffer_rows, buffer_at = ragged_ranges(np.clip(np.minimum(self.lengths, first + fp.shape[2] - s) - first, 0,
+                                                       None))
+        rows_d, where_d, src_d = self.to_device(np.concatenate([sink_rows, buffer_rows]),
+                                                np.concatenate([sink_at, first[buffer_rows] + buffer_at]),
+                                                np.concatenate([sink_at, s + buffer_at]))
+        out[rows_d, where_d] = fp[rows_d, :, src_d].to(dtype)
         # the chunk's real tokens right after each sequence's cached ones
         n = chunk.shape[2]
         rows, cols = np.nonzero(np.arange(n)[None, :] >= (n - counts)[:, None])
