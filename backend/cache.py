@@ -16,6 +16,7 @@ the new key tensor with its layer, because transformers calls `update` before at
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,7 +85,8 @@ class KittyLayer(CacheLayerMixin):
         self.flush_spread = flush_spread        # decode steps over which a batch's full buffers become pages
         self.flush = flush                      # how a decode step's full buffers become pages (FLUSH_MODES)
         self.decode_kernel = decode_kernel      # decode_attention's kernel over the pages (KERNELS)
-        # device -> the DeviceIndices this layer shares with the other layers of its cache (None: its own)
+        # what this layer shares with the other layers of its cache (None: nothing): device -> DeviceIndices, and
+        # "prompt_lengths" -> the last attention mask read (_prompt_lengths)
         self.shared_indices = shared_indices
         self.seen = 0                           # positions seen, padding included (what masks are sized by)
 
@@ -207,13 +209,25 @@ class KittyLayer(CacheLayerMixin):
             return out
         # Real tokens per sequence, at the end of this call's tokens: with left padding and chunked prefill a
         # sequence's padding may reach into later chunks (or fill the first), so every chunk reads its mask
-        counts = prompt_lengths(attention_mask, key.shape[2], key.shape[0])
+        counts = self._prompt_lengths(attention_mask, key.shape[2], key.shape[0])
         if first:                                                   # FP16 attention over the prompt
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         else:                                                       # a further chunk on a (maybe empty) cache
             out = self._attend_chunk(query, key, value, scaling, counts)
         self._append(key, value, counts, self._observe_queries(query, counts))
         return out
+
+    def _prompt_lengths(self, attention_mask: torch.Tensor | None, width: int, batch: int) -> list[int]:
+        """prompt_lengths, read once per forward: every layer of a cache gets the same mask tensor, and each read
+        waits for the GPU (the host needs the counts), so the layers after the first take the first one's answer
+        while that tensor lives (a weak reference: a new forward's mask is a new tensor)."""
+        if attention_mask is None or self.shared_indices is None:
+            return prompt_lengths(attention_mask, width, batch)
+        mask, shape, counts = self.shared_indices.get("prompt_lengths", (None, None, None))
+        if mask is None or mask() is not attention_mask or shape != (width, batch):
+            counts = prompt_lengths(attention_mask, width, batch)
+            self.shared_indices["prompt_lengths"] = (weakref.ref(attention_mask), (width, batch), counts)
+        return counts
 
     def _observe_queries(self, query: torch.Tensor, counts) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Query-aware selection: add the new tokens' q_c^2 (summed over each KV head's query heads, post-RoPE;

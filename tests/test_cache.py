@@ -448,6 +448,23 @@ def test_beam_search_reorders_the_cache():
     assert model.generate(ids, past_key_values=make_cache(model, "kitty"), **kwargs).shape == dyn.shape
 
 
+def test_a_forward_reads_its_prompt_mask_once_for_all_layers(monkeypatch):
+    """Reading a chunk's real tokens from its mask waits for the GPU, so the layers of a cache share one read per
+    forward (the same mask tensor), and the next forward's new mask is read again."""
+    model = tiny_model(heads=4, kv_heads=2, layers=3)
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    reads, real = [], backend.cache.prompt_lengths
+    monkeypatch.setattr(backend.cache, "prompt_lengths", lambda *args: reads.append(args[1]) or real(*args))
+    cache = make_cache(model, "kitty")
+    with torch.no_grad():
+        model(input_ids=ids[:, :30], attention_mask=mask[:, :30], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, 30:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert reads == [30, 10]
+    assert [layer.lengths.tolist() for layer in cache.layers] == [[40, 33]] * 3
+
+
 def test_right_padding_is_refused_with_a_clear_error():
     model = tiny_model()
     ids = torch.randint(3, 256, (2, 20))
