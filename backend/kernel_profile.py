@@ -28,8 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats", "SchedulerStats",
-            "WarpStateStats", "SourceCounters")
+# MemoryWorkloadAnalysis: L1 / L2 / DRAM and shared-memory traffic, because the paged kernel is neither issue- nor
+# DRAM-bound (issue slots 52 %, DRAM 72 %, session 16) and one early profile read L2 at 82 % (session 11)
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats",
+            "SchedulerStats", "WarpStateStats", "SourceCounters")
 DEFAULT_BENCH = ["--kernels", "auto", "--methods", "kitty-pro", "--batches", "64", "--lengths", "32768"]
 # the source page's column of the instruction text, and the stall-sample column the ranking uses where present
 SOURCE_COLUMN = "Source"
