@@ -241,7 +241,7 @@ class KittyLayer(CacheLayerMixin):
         energy = query.float().square().reshape(b, self.heads, hq // self.heads, n, d).sum(2)
         pad = n - np.asarray(counts)
         if pad.any():
-            real = torch.arange(n, device=self.device)[None, :] >= torch.as_tensor(pad, device=self.device)[:, None]
+            real = torch.arange(n, device=self.device)[None, :] >= self.to_device(pad)[0][:, None]
             energy = energy * real[:, None, :, None]
         running = energy.cumsum(2)
         before = self.q_energy.clone()
@@ -403,11 +403,10 @@ class KittyLayer(CacheLayerMixin):
             before, running = queries
             # chunk position of each new key page's last token (sequence position s + (page + 1) * G - 1)
             pages = self.key_table.counts[key_rows].astype(np.int64) + key_index
-            ends = torch.as_tensor(first[key_rows] - lengths[key_rows] + s + (pages + 1) * g - 1, dtype=torch.long,
-                                   device=self.device)
+            ends = self.to_device(first[key_rows] - lengths[key_rows] + s + (pages + 1) * g - 1)[0]
             energy = lambda rows_d: before[rows_d] + running[rows_d, :, ends]
         self.lengths += counts
-        self.seq_len.copy_(torch.from_numpy(self.lengths))
+        self.seq_len.copy_(self.to_device(self.lengths)[0])          # pinned: a pageable copy waits for the GPU
         self._store_pages(key_rows, value_rows, lambda _: key_x, lambda _: value_x, energy)
 
     def _extend_buffers(self, buf, chunk, lengths, pages, starts, counts, keep, bits):

@@ -116,10 +116,12 @@ class DeviceIndices:
     The layers of one cache share an instance (KittyCache): they make their pages in lockstep, so at a page
     boundary every layer asks for the same rows, page ids and table columns. A call whose arrays equal one of the
     last RECENT calls' returns that call's tensors (read-only indices) instead of copying again: one copy per
-    step instead of one per layer."""
+    step instead of one per layer. A further prompt chunk (a chat's next turn) makes 9 different calls a layer
+    (tests/test_cache.py), so RECENT holds more than that: with 4, every layer missed and copied all 9 again, and
+    with a ring of 4 every copy first waited for the GPU to reach the copy four calls back."""
 
-    RING = 4
-    RECENT = 4
+    RING = 16
+    RECENT = 16
 
     def __init__(self, device):
         self.device = torch.device(device)

@@ -334,6 +334,27 @@ def test_device_indices_copy_once_for_the_layers_of_a_cache():
     assert len({id(layer.to_device) for layer in cache.layers}) == 1
 
 
+def test_a_further_chunk_copies_its_indices_once_for_all_layers(monkeypatch):
+    """A chat's next turn on a ragged batch: every layer asks for the same host indices (dense rows, buffers, new
+    pages, lengths), so a 3-layer cache copies exactly what a 1-layer cache copies, all in the first layer (each
+    copy is a chance to wait for the GPU)."""
+    copies, real = [], DeviceIndices._copy
+    monkeypatch.setattr(DeviceIndices, "_copy", lambda self, *args: copies.append(args[2]) or real(self, *args))
+    counted = []
+    for layers in (1, 3):
+        model = tiny_model(heads=4, kv_heads=2, layers=layers)
+        ids = torch.randint(3, 256, (3, 300), generator=torch.Generator().manual_seed(15)).to(DEVICE)
+        mask = torch.ones_like(ids)
+        mask[1, :40] = 0
+        cache = make_cache(model, "kitty-pro", sink=8, page_size=32, local_window=32)
+        with torch.no_grad():
+            model(input_ids=ids[:, :250], attention_mask=mask[:, :250], past_key_values=cache, use_cache=True)
+            copies.clear()
+            model(input_ids=ids[:, 250:], attention_mask=mask, past_key_values=cache, use_cache=True)
+        counted.append(list(copies))
+    assert counted[0] == counted[1] and len(counted[0]) <= DeviceIndices.RECENT
+
+
 def test_memory_matches_the_layout_at_4096_tokens():
     """kitty at 4,096 tokens: the bytes used are what the layout implies (2 + 2 alpha bits per key element, 2 per
     value element, FP16 metadata, a page-table entry per page, sink / Q-buffer / window at 16 bits even for a
