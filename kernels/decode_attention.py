@@ -659,9 +659,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     on the H200: MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback) or "auto" (choose_kernel). rest_warps:
-    warps a program of the remaining blocks (default: decode_rest.rest_warps). pdl: the three launches chained by programmatic dependent launch
-    (decode_launches; default PDL). With a workspace, its buffers are reused (see DecodeWorkspace); without, they
-    are allocated per call."""
+    warps a program of the remaining blocks (default: decode_rest.rest_warps). pdl: the three launches chained by
+    programmatic dependent launch (decode_launches; default PDL). With a workspace, its buffers are reused (see
+    DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
                            rest_warps, pdl)()
 

@@ -571,7 +571,8 @@ def _gluon_paged_kernel(
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
-    the key scales as a pointer, for the boosted channels' gather. PDL: the remaining blocks' kernel after it may start at once (decode_launches' pdl)."""
+    the key scales as a pointer, for the boosted channels' gather. PDL: the remaining blocks' kernel after it may
+    start at once (decode_launches' pdl)."""
     if PDL:
         _launch_dependents()
     b = gl.program_id(0)
