@@ -591,7 +591,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -609,7 +609,9 @@ GLUON_MAXNREG_FEW = 192
 # 446.2 against 482.6 us at batch 64 / 32K, 66.4 against 74.8 at 8 / 32K, 87.9 against 96.1 at 64 / 4K, 18.7
 # against 19.2 at 1 / 32K, equal at 1 / 4K: "auto" takes it wherever it applies, and "gluon" (cp.async) elsewhere
 # (GPUs before Hopper)
-GLUON_KERNELS = ("gluon", "gluon-tma")
+# "gluon-tma-i8": the same with the key products on the integer matrix unit (decode_gluon's I8_QUARTER_ASM: the
+# queries times scales rounded to 8 bits a page), an experiment until the H200 says whether it is faster
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
@@ -658,7 +660,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     Gluon kernel's programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned
     on the H200: MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
-    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback) or "auto" (choose_kernel). rest_warps:
+    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8" (the same with 8-bit
+    key products; boosted channels 0 or 32; the same fallback) or "auto" (choose_kernel). rest_warps:
     warps a program of the remaining blocks (default: decode_rest.rest_warps). pdl: the three launches chained by
     programmatic dependent launch (decode_launches; default PDL). With a workspace, its buffers are reused (see
     DecodeWorkspace); without, they are allocated per call."""
@@ -707,8 +710,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         kernel = choose_kernel(q, kv, num_warps)
     elif kernel in GLUON_KERNELS:
         from . import decode_gluon
-        kernel = kernel if (decode_gluon.supports_tma if kernel == "gluon-tma" else decode_gluon.supports)(q, kv) \
-            else "triton"
+        kernel = kernel if decode_gluon.supports_kernel(kernel, q, kv) else "triton"
     if num_splits is None:
         num_splits = split_count(q, kv, kernel, maxnreg or (GLUON_MAXNREG if kernel in GLUON_KERNELS else MAXNREG),
                                  num_warps)
@@ -733,11 +735,12 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
 
     if kernel in GLUON_KERNELS:
         from . import decode_gluon
-        use_tma = kernel == "gluon-tma"
+        use_tma = kernel != "gluon"
         descriptors = workspace.tma_descriptors(kv, d) if use_tma else None
 
         def paged():
-            decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, pdl)
+            decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, pdl,
+                                use_i8=kernel == "gluon-tma-i8")
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
 

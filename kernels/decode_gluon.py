@@ -241,6 +241,125 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
             s2 * (_pick(QUARTER_WEIGHT, 2) * scale) + zq, s3 * (_pick(QUARTER_WEIGHT, 3) * scale) + zq)
 
 
+# ------------------------------------------------------------------------------------ 8-bit key products (I8)
+# decode_attention(kernel="gluon-tma-i8"): the key products on the integer matrix unit (mma m16n8k32, s8 x s8 ->
+# s32). A byte's field i, masked in place, is the integer code * 4^i (field 3, which would reach 192, is shifted down
+# first): a word of 16 codes makes the 4 quarters' operands in 5 instructions (I8_QUARTER_ASM) instead of a shift and
+# 8 ANDs, and a product covers 32 channels instead of 16. The other operand, queries times scales, is rounded to 8
+# bits a page, with one scale per head (its largest magnitude over the page's channels, boosted ones included, maps
+# to 127): this rounding is the variant's only change to the numbers (the fp16 operands keep 11 bits).
+I8_QUARTER_ASM = gl.constexpr(("and.b32 $0, $1, 0x03030303;", "and.b32 $0, $1, 0x0c0c0c0c;",
+                               "and.b32 $0, $1, 0x30303030;", "shr.b32 $0, $1, 6; and.b32 $0, $0, 0x03030303;"))
+I8_QUARTER_WEIGHT = gl.constexpr((1.0, 1.0 / 4, 1.0 / 16, 1.0))
+# The s32 sums start at the bit pattern of the float 1.5 * 2^23, where consecutive floats are consecutive integers:
+# a sum x (|x| < 2^22; a page's is below 2^20) leaves the float 1.5 * 2^23 + x, read with no conversion.
+I8_MAGIC = gl.constexpr(0x4B400000)
+I8_MAGIC_F = gl.constexpr(12582912.0)
+# fp16 times the heads' 127 / max, plus 1.5 * 2^10, rounds to an integer in the low byte (ulp 1 in [1024, 2048)):
+# two fp16 FMAs and a byte permute make a register of 4 signed bytes.
+I8_ROUND_ASM = gl.constexpr("{ .reg .b32 m, a, b; mov.b32 m, 0x66006600; fma.rn.f16x2 a, $1, $3, m; "
+                            "fma.rn.f16x2 b, $2, $4, m; prmt.b32 $0, a, b, 0x6420; }")
+
+
+@gluon.jit
+def _i8_operand_order(x, K: gl.constexpr, LAST: gl.constexpr):
+    """A tile whose threads hold K/4 contiguous elements of dimension LAST (0 or 1, of 2) as the m16n8k32 operand's
+    k order: element k' = 32t + 16h + 4c + e is element 8t + 4h + e of thread c's run."""
+    if LAST == 1:
+        R: gl.constexpr = x.shape[0]
+        x = gl.permute(gl.reshape(x, [R, 4, K // 32, 2, 4]), [0, 2, 3, 1, 4])
+        return gl.reshape(x, [R, K])
+    else:
+        x = gl.permute(gl.reshape(x, [4, K // 32, 2, 4, HEADS]), [1, 2, 0, 3, 4])
+        return gl.reshape(x, [K, HEADS])
+
+
+@gluon.jit
+def _i8_tile_products(x, b, acc0, acc1, acc2, acc3, K: gl.constexpr):
+    """acc_i += (quarter i of the (rows, K) byte tile x, as integers) @ b (s8), for the 4 quarters."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(0, _mma(), 4)
+    xa = _i8_operand_order(x, K, 1)
+    acc0 = mma_v2(gl.convert_layout(_i8_quarter(xa, 0), a_layout, assert_trivial=True), b, acc0)
+    acc1 = mma_v2(gl.convert_layout(_i8_quarter(xa, 1), a_layout, assert_trivial=True), b, acc1)
+    acc2 = mma_v2(gl.convert_layout(_i8_quarter(xa, 2), a_layout, assert_trivial=True), b, acc2)
+    acc3 = mma_v2(gl.convert_layout(_i8_quarter(xa, 3), a_layout, assert_trivial=True), b, acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _i8_quarter(x, I: gl.constexpr):
+    return gl.inline_asm_elementwise(asm=_pick(I8_QUARTER_ASM, I), constraints="=r,r", args=[x], dtype=gl.int8,
+                                     is_pure=True, pack=4)
+
+
+@gluon.jit
+def _i8_round(x, r, K: gl.constexpr):
+    """The (K, HEADS) fp16 tile x times the heads' r (fp16, (1, HEADS)), rounded to s8 as a second m16n8k32 operand."""
+    x, r = gl.broadcast(x, r)
+    q = gl.inline_asm_elementwise(asm=I8_ROUND_ASM, constraints="=r,r,r,r,r", args=[x, r], dtype=gl.int8,
+                                  is_pure=True, pack=4)
+    return gl.convert_layout(_i8_operand_order(q, K, 0), gl.DotOperandLayout(1, _mma(), 4), assert_trivial=True)
+
+
+@gluon.jit
+def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
+                   NB: gl.constexpr):
+    """_key_scores with the key products in 8-bit integers (see I8_QUARTER_ASM). Boosted channels: one chunk of
+    32."""
+    G4: gl.constexpr = G // 4
+    mma: gl.constexpr = _mma()
+    cols: gl.constexpr = _cols_layout(KC)
+    vec: gl.constexpr = gl.SliceLayout(1, cols)
+    klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
+    zq = gl.zeros([G4, HEADS], gl.float32, mma)
+    ones = gl.full([G4, KC], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
+    # the fp16 operands and their largest magnitude per head
+    amax = gl.full([HEADS], 2.0 ** -10, DOT, gl.SliceLayout(0, cols))  # floor: 127 / amax stays finite in fp16
+    bs = ()
+    for c in gl.static_range(D // KC):
+        q = q_s.index(c).load(cols)
+        zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
+        b = _mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None])
+        amax = gl.maximum(amax, gl.max(gl.abs(b), axis=0))
+        bs = bs + (b,)
+    if NB > 0:
+        b_nb = _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
+        amax = gl.maximum(amax, gl.max(gl.abs(b_nb), axis=0))
+    r = (127.0 / amax.to(gl.float32)).to(DOT)
+    i8: gl.constexpr = gl.SliceLayout(0, mma)
+    s0 = gl.full([G4, HEADS], I8_MAGIC, gl.int32, mma)
+    s1 = gl.full([G4, HEADS], I8_MAGIC, gl.int32, mma)
+    s2 = gl.full([G4, HEADS], I8_MAGIC, gl.int32, mma)
+    s3 = gl.full([G4, HEADS], I8_MAGIC, gl.int32, mma)
+    for c in gl.static_range(D // KC):
+        s0, s1, s2, s3 = _i8_tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)),
+                                           _i8_round(bs[c], r[None, :], KC), s0, s1, s2, s3, KC)
+    if NB > 0:
+        s0, s1, s2, s3 = _i8_tile_products(khigh_s.load(_rows_layout(NB)), _i8_round(b_nb, r[None, :], NB), s0, s1,
+                                           s2, s3, NB)
+    scale = gl.convert_layout(qk_scale * (1.0 / Q_SCALE) / r.to(gl.float32), i8)[None, :]
+    zq = zq * (qk_scale * (1.0 / Q_SCALE))
+    return (_i8_scores(s0, scale * _pick(I8_QUARTER_WEIGHT, 0), zq), _i8_scores(s1, scale * _pick(I8_QUARTER_WEIGHT, 1), zq),
+            _i8_scores(s2, scale * _pick(I8_QUARTER_WEIGHT, 2), zq), _i8_scores(s3, scale * _pick(I8_QUARTER_WEIGHT, 3), zq))
+
+
+@gluon.jit
+def _i8_scores(s, w, zq):
+    """The s32 sums started at I8_MAGIC, read as floats, times w, plus zq."""
+    return (s.to(gl.float32, bitcast=True) - I8_MAGIC_F) * w + zq
+
+
+@gluon.jit
+def _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NB: gl.constexpr):
+    """The boosted channels' second operand before its layout: 4 * Q_SCALE * q_ch * scale_ch (NB, HEADS), fp16 in
+    _cols_layout(NB)."""
+    lay: gl.constexpr = _cols_layout(NB)
+    ch = ch_s.load(gl.SliceLayout(1, lay)).to(gl.int32)
+    ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
+    q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None], mask=gl.convert_layout(hmask_b, lay), other=0.0)
+    return (q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT)
+
+
 @gluon.jit
 def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
     """The second operand of boosted-channel chunk c: 4 * Q_SCALE * q_ch * scale_ch (NBC, HEADS), gathered from the
@@ -567,7 +686,7 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, PDL: gl.constexpr = False):
+        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = False, PDL: gl.constexpr = False):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
@@ -605,7 +724,10 @@ def _gluon_paged_kernel(
         vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         _arrived(kbar, phase, TMA)                  # this slot's keys are in (its values may not be)
         _BARRIER()                                  # ... for every lane (and, the first time, the queries)
-        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+        if I8:
+            s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+        else:
+            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
         if more:
             _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
@@ -704,7 +826,8 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
-                     use_tma: bool = False, descriptors: tuple | None = None) -> tuple[tuple, dict]:
+                     use_tma: bool = False, descriptors: tuple | None = None,
+                     use_i8: bool = False) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
     use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here). Also used to
@@ -715,7 +838,8 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     pages = (descriptors or tma_descriptors(kv, d)) if use_tma else page_tensors(kv)
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
-    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma)
+    constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
+                     I8=use_i8)
     return args, constants
 
 
@@ -726,10 +850,18 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
             and kv.n_boost in (0, 16, 32, 64, 128))
 
 
+def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
+    """Whether decode_attention's `kernel` (one of "gluon", "gluon-tma", "gluon-tma-i8") takes this launch: the 8-bit
+    key products take boosted channels in one chunk of 32 or none."""
+    if kernel == "gluon":
+        return supports(q, kv)
+    return supports_tma(q, kv) and (kernel == "gluon-tma" or kv.n_boost in (0, 32))
+
+
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False) -> None:
+           use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, use_i8: bool = False) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
-    programs let the next grid start beside them (its PDL)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors)
+    programs let the next grid start beside them (its PDL); use_i8: the 8-bit key products (with TMA only)."""
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, use_i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
