@@ -248,9 +248,14 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
 # 8 ANDs, and a product covers 32 channels instead of 16. The other operand, queries times scales, is rounded to 8
 # bits a page, with one scale per head (its largest magnitude over the page's channels, boosted ones included, maps
 # to 127): this rounding is the variant's only change to the numbers (the fp16 operands keep 11 bits).
+# Field 3 in place would be code * 64, up to 192, past s8. With its low bit flipped it is the s8 number 64 - 64 *
+# code (bits 7, 6 weigh -128 and 64): one LOP3 all the same, and a product with a first operand of -64 in every byte
+# (I8_MINUS64) takes the 64 * sum of the other operand back off: quarter 3 sums -64 * (codes @ b).
 I8_QUARTER_ASM = gl.constexpr(("and.b32 $0, $1, 0x03030303;", "and.b32 $0, $1, 0x0c0c0c0c;",
-                               "and.b32 $0, $1, 0x30303030;", "shr.b32 $0, $1, 6; and.b32 $0, $0, 0x03030303;"))
-I8_QUARTER_WEIGHT = gl.constexpr((1.0, 1.0 / 4, 1.0 / 16, 1.0))
+                               "and.b32 $0, $1, 0x30303030;",
+                               "lop3.b32 $0, $1, 0x40404040, 0xc0c0c0c0, 0x28;"))      # (a ^ b) & c
+I8_QUARTER_WEIGHT = gl.constexpr((1.0, 1.0 / 4, 1.0 / 16, -1.0 / 64))
+I8_MINUS64 = gl.constexpr(-64)
 # The s32 sums start at the bit pattern of the float 1.5 * 2^23, where consecutive floats are consecutive integers:
 # a sum x (|x| < 2^22; a page's is below 2^20) leaves the float 1.5 * 2^23 + x, read with no conversion.
 I8_MAGIC = gl.constexpr(0x4B400000)
@@ -283,6 +288,7 @@ def _i8_tile_products(x, b, acc0, acc1, acc2, acc3, K: gl.constexpr):
     acc1 = mma_v2(gl.convert_layout(_i8_quarter(xa, 1), a_layout, assert_trivial=True), b, acc1)
     acc2 = mma_v2(gl.convert_layout(_i8_quarter(xa, 2), a_layout, assert_trivial=True), b, acc2)
     acc3 = mma_v2(gl.convert_layout(_i8_quarter(xa, 3), a_layout, assert_trivial=True), b, acc3)
+    acc3 = mma_v2(gl.full(x.shape, I8_MINUS64, gl.int8, a_layout), b, acc3)
     return acc0, acc1, acc2, acc3
 
 
@@ -311,8 +317,10 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: 
     cols: gl.constexpr = _cols_layout(KC)
     vec: gl.constexpr = gl.SliceLayout(1, cols)
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
-    zq = gl.zeros([G4, HEADS], gl.float32, mma)
-    ones = gl.full([G4, KC], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
+    # sum_d q_d * zero_d per head: its rows are equal, so 16 of them suffice, and one is read (a vector per head
+    # folds the sums' start into the offset of the scores' multiply-add: _i8_scores)
+    zq = gl.zeros([16, HEADS], gl.float32, mma)
+    ones = gl.full([16, KC], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
     # the fp16 operands and their largest magnitude per head
     amax = gl.full([HEADS], 2.0 ** -10, DOT, gl.SliceLayout(0, cols))  # floor: 127 / amax stays finite in fp16
     bs = ()
@@ -337,16 +345,32 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: 
     if NB > 0:
         s0, s1, s2, s3 = _i8_tile_products(khigh_s.load(_rows_layout(NB)), _i8_round(b_nb, r[None, :], NB), s0, s1,
                                            s2, s3, NB)
-    scale = gl.convert_layout(qk_scale * (1.0 / Q_SCALE) / r.to(gl.float32), i8)[None, :]
-    zq = zq * (qk_scale * (1.0 / Q_SCALE))
+    scale = gl.convert_layout(qk_scale * (1.0 / Q_SCALE) / r.to(gl.float32), i8)
+    zq = gl.max(zq, axis=0) * (qk_scale * (1.0 / Q_SCALE))
     return (_i8_scores(s0, scale * _pick(I8_QUARTER_WEIGHT, 0), zq), _i8_scores(s1, scale * _pick(I8_QUARTER_WEIGHT, 1), zq),
             _i8_scores(s2, scale * _pick(I8_QUARTER_WEIGHT, 2), zq), _i8_scores(s3, scale * _pick(I8_QUARTER_WEIGHT, 3), zq))
 
 
 @gluon.jit
 def _i8_scores(s, w, zq):
-    """The s32 sums started at I8_MAGIC, read as floats, times w, plus zq."""
-    return (s.to(gl.float32, bitcast=True) - I8_MAGIC_F) * w + zq
+    """The s32 sums started at I8_MAGIC, read as floats, times the heads' w, plus their zq: one multiply-add."""
+    return s.to(gl.float32, bitcast=True) * w[None, :] + (zq - I8_MAGIC_F * w)[None, :]
+
+
+@gluon.jit
+def _i8_value_scale(vscale_s, page_max, m_new, G: gl.constexpr):
+    """Per head, what p * scale is multiplied by before it is rounded to s8: 127 over its largest possible value on
+    this page, the page's largest p (2^(page max - running max)) times its largest value scale; at most 65,504 (fp16),
+    so a page whose p * scale stays under 2^-9 keeps fewer than 7 bits. fp16, (HEADS,) in the operand's layout."""
+    vs_max = gl.max(vscale_s.load(_vector_layout(G, 2)).to(gl.float32), axis=0)
+    r = gl.minimum(127.0 / (vs_max * gl.exp2(page_max - m_new)), 65504.0)
+    return gl.convert_layout(r, gl.SliceLayout(0, _cols_layout(G // 4))).to(DOT)
+
+
+@gluon.jit
+def _i8_accumulate(acc, alpha, s, k):
+    """acc * alpha + (the s32 sums s started at I8_MAGIC) * k (per head): two multiply-adds."""
+    return gl.fma(s.to(gl.float32, bitcast=True), k[None, :], gl.fma(acc, alpha, -I8_MAGIC_F * k[None, :]))
 
 
 @gluon.jit
@@ -373,26 +397,35 @@ def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexp
 
 @gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr):
+                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
     vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
     (p * scale) (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t:
     (16 * warps, HEADS) tiles, every row the sum). Returns the new running max, l_t, z_t and the 4 channel quarters'
     accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the
     pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200
-    (BENCHMARKS.md section 1, session 14)."""
+    (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers,
+    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0))
+    page_max = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
+    m_new = gl.maximum(m_i, page_max)
     alpha = gl.exp2(m_i - m_new)[None, :]
     l_t = l_t * alpha
     z_t = z_t * alpha
-    acc0 = acc0 * alpha
-    acc1 = acc1 * alpha
-    acc2 = acc2 * alpha
-    acc3 = acc3 * alpha
+    if I8:
+        r = _i8_value_scale(vscale_s, page_max, m_new, G)
+        i0 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
+        i1 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
+        i2 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
+        i3 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
+    else:
+        acc0 = acc0 * alpha
+        acc1 = acc1 * alpha
+        acc2 = acc2 * alpha
+        acc3 = acc3 * alpha
     scores = (s0, s1, s2, s3)
     tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
     ones = gl.full([16, G4], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
@@ -401,13 +434,24 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         p = gl.convert_layout(gl.exp2(scores[i] - m_new[None, :]).to(DOT), _cols_layout(G4))
         l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
         z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
-        pv = _b_operand(_mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None]), G4)
-        acc0, acc1, acc2, acc3 = _tile_products(vlow_s.slice(i * D4, D4).load(_rows_layout(G4)), pv, acc0, acc1, acc2,
-                                                acc3, D4, G4)
-        if V_BITS == 4:
-            pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
-            acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4, acc0, acc1,
-                                                    acc2, acc3, D4, G4)
+        pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
+        codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
+        if I8:
+            i0, i1, i2, i3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G4), i0, i1, i2, i3, G4)
+        else:
+            pv = _b_operand(pv, G4)
+            acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4)
+            if V_BITS == 4:
+                pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
+                acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4,
+                                                        acc0, acc1, acc2, acc3, D4, G4)
+    if I8:
+        # back to the fp16 products' units (code * 4^j * 2^-24) and onto the running sums: two multiply-adds
+        k = gl.convert_layout((2.0 ** -24) / r.to(gl.float32), gl.SliceLayout(0, mma))
+        acc0 = _i8_accumulate(acc0, alpha, i0, k)
+        acc1 = _i8_accumulate(acc1, alpha, i1, k)
+        acc2 = _i8_accumulate(acc2, alpha, i2, k)
+        acc3 = _i8_accumulate(acc3, alpha, i3, -k)                   # quarter 3 sums -64 * codes (I8_QUARTER_ASM)
     return m_new, l_t, z_t, acc0, acc1, acc2, acc3
 
 
@@ -735,7 +779,7 @@ def _gluon_paged_kernel(
         _arrived(vbar, phase, TMA)                  # this slot's values are in (the next slot's keys may not be)
         _BARRIER()
         m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1,
-                                                                acc2, acc3, D, G, V_BITS)
+                                                                acc2, acc3, D, G, V_BITS, I8)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -852,10 +896,11 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
     """Whether decode_attention's `kernel` (one of "gluon", "gluon-tma", "gluon-tma-i8") takes this launch: the 8-bit
-    key products take boosted channels in one chunk of 32 or none."""
+    products take boosted channels in one chunk of 32 or none, pages of 128 and 2-bit values."""
     if kernel == "gluon":
         return supports(q, kv)
-    return supports_tma(q, kv) and (kernel == "gluon-tma" or kv.n_boost in (0, 32))
+    return supports_tma(q, kv) and (kernel == "gluon-tma" or (kv.n_boost in (0, 32) and kv.page_size == 128
+                                                              and kv.v_bits == 2))
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,

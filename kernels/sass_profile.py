@@ -23,7 +23,7 @@ import tempfile
 import torch
 
 CLASSES = {
-    "matrix": ("HMMA", "HGMMA"), "shared ld/st": ("LDS", "STS", "LDSM"), "local ld/st": ("LDL", "STL"),
+    "matrix": ("HMMA", "HGMMA", "IMMA"), "shared ld/st": ("LDS", "STS", "LDSM"), "local ld/st": ("LDL", "STL"),
     "global ld/st": ("LDG", "STG"), "cp.async": ("LDGSTS",), "barrier": ("BAR",),
     "integer": ("SHF", "LOP3", "IMAD", "IADD3", "PRMT", "SEL", "ISETP"),
     "int-float cvt": ("I2F", "F2F", "I2FP", "F2FP", "F2I"),
