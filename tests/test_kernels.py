@@ -246,6 +246,8 @@ GLUON_CASES = [
     # head_dim 128 and pages of 128 (the default model's) at GQA ratios 8 and 1
     ([2000, 130], 2, 128, 8, 2, 2, 32, 128, 128, 32, torch.bfloat16),
     ([777], 3, 128, 1, 2, 2, 0, 128, 128, 0, torch.float16),                  # kivi-k2v2
+    # head_dim 64 at GQA ratio 3 with pages of 128 and one chunk of boosted channels (the 8-bit products' shapes)
+    ([1100, 260, 129], 2, 64, 3, 2, 2, 32, 128, 128, 32, torch.float16),
 ]
 
 
