@@ -591,7 +591,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -609,9 +609,10 @@ GLUON_MAXNREG_FEW = 192
 # 446.2 against 482.6 us at batch 64 / 32K, 66.4 against 74.8 at 8 / 32K, 87.9 against 96.1 at 64 / 4K, 18.7
 # against 19.2 at 1 / 32K, equal at 1 / 4K: "auto" takes it wherever it applies, and "gluon" (cp.async) elsewhere
 # (GPUs before Hopper)
-# "gluon-tma-i8": the same with the key products on the integer matrix unit (decode_gluon's I8_QUARTER_ASM: the
-# queries times scales rounded to 8 bits a page), an experiment until the H200 says whether it is faster
-GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8")
+# "gluon-tma-i8k": the same with the key products on the integer matrix unit (decode_gluon's I8_QUARTER_ASM: the
+# queries times scales rounded to 8 bits a page); "gluon-tma-i8": the value products too (p times scales rounded to
+# 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20)
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
@@ -660,8 +661,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     Gluon kernel's programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned
     on the H200: MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
-    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8" (the same with 8-bit
-    key products; boosted channels 0 or 32; the same fallback) or "auto" (choose_kernel). rest_warps:
+    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
+    same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
+    (choose_kernel). rest_warps:
     warps a program of the remaining blocks (default: decode_rest.rest_warps). pdl: the three launches chained by
     programmatic dependent launch (decode_launches; default PDL). With a workspace, its buffers are reused (see
     DecodeWorkspace); without, they are allocated per call."""
@@ -740,7 +742,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
 
         def paged():
             decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, pdl,
-                                use_i8=kernel == "gluon-tma-i8")
+                                decode_gluon.I8_PRODUCTS[kernel])
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
 

@@ -730,7 +730,7 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = False, PDL: gl.constexpr = False):
+        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
@@ -768,7 +768,7 @@ def _gluon_paged_kernel(
         vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         _arrived(kbar, phase, TMA)                  # this slot's keys are in (its values may not be)
         _BARRIER()                                  # ... for every lane (and, the first time, the queries)
-        if I8:
+        if I8 > 0:
             s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         else:
             s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
@@ -779,7 +779,7 @@ def _gluon_paged_kernel(
         _arrived(vbar, phase, TMA)                  # this slot's values are in (the next slot's keys may not be)
         _BARRIER()
         m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1,
-                                                                acc2, acc3, D, G, V_BITS, I8)
+                                                                acc2, acc3, D, G, V_BITS, I8 == 2)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -871,7 +871,7 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
                      use_tma: bool = False, descriptors: tuple | None = None,
-                     use_i8: bool = False) -> tuple[tuple, dict]:
+                     i8: int = 0) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
     use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here). Also used to
@@ -883,7 +883,7 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     I8=use_i8)
+                     I8=i8)
     return args, constants
 
 
@@ -894,19 +894,25 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
             and kv.n_boost in (0, 16, 32, 64, 128))
 
 
+# decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
+# value products too
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
+
+
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
-    """Whether decode_attention's `kernel` (one of "gluon", "gluon-tma", "gluon-tma-i8") takes this launch: the 8-bit
-    products take boosted channels in one chunk of 32 or none, pages of 128 and 2-bit values."""
+    """Whether decode_attention's `kernel` (a key of I8_PRODUCTS) takes this launch: the 8-bit key products take
+    boosted channels in one chunk of 32 or none, the 8-bit value products pages of 128 and 2-bit values."""
     if kernel == "gluon":
         return supports(q, kv)
-    return supports_tma(q, kv) and (kernel == "gluon-tma" or (kv.n_boost in (0, 32) and kv.page_size == 128
-                                                              and kv.v_bits == 2))
+    i8 = I8_PRODUCTS[kernel]
+    return (supports_tma(q, kv) and (i8 < 1 or kv.n_boost in (0, 32))
+            and (i8 < 2 or (kv.page_size == 128 and kv.v_bits == 2)))
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, use_i8: bool = False) -> None:
+           use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
-    programs let the next grid start beside them (its PDL); use_i8: the 8-bit key products (with TMA only)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, use_i8)
+    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only)."""
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

@@ -87,7 +87,7 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
-                         pdl: bool = False, use_i8: bool = False):
+                         pdl: bool = False, i8: int = 0):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -97,7 +97,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, use_i8=use_i8)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8)
     return _compile(GluonASTSource, _gluon_paged_kernel, args, {**constants, "PDL": pdl}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
                         help="warps per program (the Triton kernel's num_warps, or the rest kernel's rest_warps; the "
                              "Gluon kernel's programs are one warp)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
-    parser.add_argument("--kernel", choices=["triton", "gluon", "gluon-tma", "gluon-tma-i8", "rest"], default="triton",
+    parser.add_argument("--kernel", choices=["triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "rest"], default="triton",
                         help="decode_attention's kernel over the paged blocks (gluon, gluon-tma: "
                              "kernels/decode_gluon.py), or the one over the remaining blocks (rest: "
                              "kernels/decode_rest.py, no loop)")
@@ -203,8 +203,9 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         if args.kernel.startswith("gluon"):
+            from kernels.decode_gluon import I8_PRODUCTS
             compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
-                                            use_tma=args.kernel != "gluon", use_i8=args.kernel.endswith("i8"))
+                                            use_tma=args.kernel != "gluon", i8=I8_PRODUCTS[args.kernel])
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps)
         else:

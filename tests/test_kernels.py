@@ -275,6 +275,9 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     assert decode_gluon.supports_kernel(kernel, q, kv)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
+    if decode_gluon.I8_PRODUCTS[kernel]:
+        check_i8_kernel(q, kv, kernel, ref, tol)
+        return
     for splits, maxnreg in ((1, 255), (3, 168), (None, None)):          # None: the defaults
         workspace = DecodeWorkspace()
         poisoned = workspace.get(q, (splits or split_count(q, kv, kernel, GLUON_MAXNREG)) + rest_parts(kv))
@@ -288,6 +291,39 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
         assert rel_err(out, ref) <= max(1.25 * rel_err(triton_out, ref), tol / 4), \
             f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
+
+
+def check_i8_kernel(q, kv, kernel, ref, tol):
+    """An 8-bit kernel against its own arithmetic (kernels/i8_reference.py, one split: within the fp16 kernel's
+    tolerance), and with the default split no further from the exact reference than that arithmetic is, plus the
+    tolerance. The rounding is per head: queries whose heads differ 16x in size would overflow the 8-bit operands
+    if a head took another's scale."""
+    from kernels import decode_gluon
+    from kernels.i8_reference import decode_attention_i8_ref
+    d = q.shape[-1]
+    heads = 2.0 ** torch.linspace(-2, 2, q.shape[1], device=q.device)
+    for queries in (q, (q.float() * heads[None, :, None]).to(q.dtype)):
+        expected = decode_attention_i8_ref(queries, kv, d ** -0.5, values=decode_gluon.I8_PRODUCTS[kernel] == 2)
+        exact = ref if queries is q else decode_attention_ref(queries, kv, d ** -0.5)
+        one = decode_attention(queries, kv, d ** -0.5, num_splits=1, kernel=kernel)
+        assert rel_err(one, expected) < tol, f"{rel_err(one, expected):.2e} from its arithmetic"
+        out = decode_attention(queries, kv, d ** -0.5, kernel=kernel)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, exact) < rel_err(expected, exact) * 1.25 + tol, \
+            f"{rel_err(out, exact):.2e} from the reference, its arithmetic {rel_err(expected, exact):.2e}"
+
+
+def test_i8_reference_rounds_the_operands_it_says():
+    """kernels/i8_reference.py on the CPU: its 8-bit keys move the output off the exact reference by about what 7-bit
+    query operands can (not zero, under 5 %), its 8-bit values further (still under 25 %)."""
+    from kernels.i8_reference import decode_attention_i8_ref
+    kv, _, _ = random_paged_kv([600, 300], heads=2, head_dim=64, sink=32, page_size=128, window=128, n_boost=32,
+                               dtype=torch.float32, seed=4)
+    q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(5))
+    ref = decode_attention_ref(q, kv, 64 ** -0.5)
+    keys = rel_err(decode_attention_i8_ref(q, kv, 64 ** -0.5, values=False), ref)
+    both = rel_err(decode_attention_i8_ref(q, kv, 64 ** -0.5, values=True), ref)
+    assert 1e-4 < keys < 0.05 and keys < both < 0.25, (keys, both)
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(),
