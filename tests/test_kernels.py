@@ -267,8 +267,10 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     if kernel != "gluon" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("decode_gluon.supports_tma takes Hopper GPUs only (the only kind the TMA copies ran on)")
-    if kernel == "gluon-tma-i8" and (nb not in (0, 32) or page != 128 or vb != 2):
-        pytest.skip("the 8-bit products take boosted channels in one chunk of 32 or none, pages of 128, 2-bit values")
+    if decode_gluon.I8_PRODUCTS[kernel] and not (nb in (0, 32) and (kernel == "gluon-tma-i8k" or (page == 128
+                                                                                             and vb == 2))):
+        pytest.skip("the 8-bit key products take boosted channels in one chunk of 32 or none, the value products "
+                    "pages of 128 and 2-bit values (decode_gluon.supports_kernel)")
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
                                v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
@@ -294,10 +296,12 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
 
 
 def check_i8_kernel(q, kv, kernel, ref, tol):
-    """An 8-bit kernel against its own arithmetic (kernels/i8_reference.py, one split: within the fp16 kernel's
-    tolerance), and with the default split no further from the exact reference than that arithmetic is, plus the
-    tolerance. The rounding is per head: queries whose heads differ 16x in size would overflow the 8-bit operands
-    if a head took another's scale."""
+    """An 8-bit kernel against its own arithmetic (kernels/i8_reference.py, one split): within the fp16 kernel's
+    tolerance or a tenth of how far that arithmetic is from the exact reference, whichever is larger (an integer
+    rounded the other way at a tie, or fp16 products the reference takes in fp32, move fp16 outputs by 2.5-4.7e-3
+    on the H200, where the rounding itself moves them 2-12 %). With the default split, no further from the exact
+    reference than that arithmetic is, plus the tolerance. The rounding is per head: queries whose heads differ 16x
+    in size would overflow the 8-bit operands if a head took another's scale."""
     from kernels import decode_gluon
     from kernels.i8_reference import decode_attention_i8_ref
     d = q.shape[-1]
@@ -306,7 +310,8 @@ def check_i8_kernel(q, kv, kernel, ref, tol):
         expected = decode_attention_i8_ref(queries, kv, d ** -0.5, values=decode_gluon.I8_PRODUCTS[kernel] == 2)
         exact = ref if queries is q else decode_attention_ref(queries, kv, d ** -0.5)
         one = decode_attention(queries, kv, d ** -0.5, num_splits=1, kernel=kernel)
-        assert rel_err(one, expected) < tol, f"{rel_err(one, expected):.2e} from its arithmetic"
+        assert rel_err(one, expected) < max(tol, 0.1 * rel_err(expected, exact)), \
+            f"{rel_err(one, expected):.2e} from its arithmetic, which is {rel_err(expected, exact):.2e} from exact"
         out = decode_attention(queries, kv, d ** -0.5, kernel=kernel)
         assert torch.isfinite(out).all()
         assert rel_err(out, exact) < rel_err(expected, exact) * 1.25 + tol, \
