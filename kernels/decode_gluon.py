@@ -333,7 +333,8 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: 
     if NB > 0:
         b_nb = _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
         amax = gl.maximum(amax, gl.max(gl.abs(b_nb), axis=0))
-    r = (127.0 / amax.to(gl.float32)).to(DOT)
+    # IEEE division (not the approximate one of `/`), so that kernels/i8_reference.py can round the same integers
+    r = gl.div_rn(gl.full([HEADS], 127.0, gl.float32, amax.type.layout), amax.to(gl.float32)).to(DOT)
     i8: gl.constexpr = gl.SliceLayout(0, mma)
     s0 = gl.full([G4, HEADS], I8_MAGIC, gl.int32, mma)
     s1 = gl.full([G4, HEADS], I8_MAGIC, gl.int32, mma)
