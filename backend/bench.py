@@ -254,7 +254,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "pdl")
+               "pdl", "i8")
 
 
 def bench_tune(args) -> dict:
@@ -320,7 +320,13 @@ def bench_tune(args) -> dict:
                                for w in (1, 2, 4)],
                       # the default Gluon kernel at its default cap and split, with its three launches in a row and
                       # chained by programmatic dependent launch (decode_launches' pdl)
-                      "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)]}
+                      "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
+                      # the 8-bit products' kernels at the default cap and at 128 registers, 16 programs a
+                      # multiprocessor instead of 12: gluon-tma-i8k's page loop fits 128 without spills (the fp16
+                      # kernel's spills 9 loads and stores a page there), each at the split its programs choose;
+                      # with the default kernel at its own cap for the same run
+                      "i8": [gluon(cap)] + [gluon(r, kernel=k) for k in ("gluon-tma-i8k", "gluon-tma-i8")
+                                            for r in (GLUON_MAXNREG, 128)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
             for setting in settings:

@@ -156,6 +156,7 @@ def profile(compiled) -> dict:
     loop = _opcodes((_loop_bodies(sass.splitlines()) or [[]])[0])
     row["loop instructions"] = sum(loop.values())
     row.update({f"loop {name}": sum(loop[op] for op in ops) for name, ops in CLASSES.items()})
+    row["loop integer matrix"] = loop["IMMA"]          # of "loop matrix": the 8-bit products (gluon-tma-i8k / i8)
     return row
 
 

@@ -406,6 +406,32 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     assert rows["kitty-pro-168-tma"][4] == 2 * 8, run.stdout
 
 
+def test_i8_kernels_compile_for_hopper_with_integer_products():
+    """Without a GPU: the 8-bit products' kernels (decode_attention(kernel="gluon-tma-i8k" / "gluon-tma-i8")) compile
+    for sm_90 with the products a kitty-pro page needs and no spills in the page loop at the default cap; the keys'
+    kernel also at 128 registers (16 programs a multiprocessor: bench tune --vary i8), where the fp16 kernel spills."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.sass_profile import compile_gluon_kernel, profile
+        for name, i8, maxnreg in (("i8k", 1, 168), ("i8k-128", 1, 128), ("i8", 2, 168)):
+            row = profile(compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=maxnreg, use_tma=True, i8=i8))
+            print(name, row["loop integer matrix"], row["loop matrix"] - row["loop integer matrix"],
+                  row["loop local ld/st"])
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in run.stdout.splitlines()}
+    # m16n8k32 over a 32-token quarter (2 row tiles) and 32 columns: 4 quarters and the -64 correction of field 3
+    # (I8_MINUS64), for 4 channel chunks and the one boosted chunk; the values: 4 token quarters of 32 channels.
+    # Products with ones stay fp16: the keys' zero term (2 a 32-channel chunk), the sums of p and p * zero (2 each
+    # a token quarter); the 8-bit keys' kernel keeps the fp16 value products (16 a token quarter)
+    keys, values = (4 + 1) * 5 * 2, 4 * 5 * 2
+    ones = 4 * 2 + 4 * 2 * 2
+    assert rows["i8k"][:2] == rows["i8k-128"][:2] == [keys, 4 * 16 + ones], run.stdout
+    assert rows["i8"][:2] == [keys + values, ones], run.stdout
+    assert all(spills == 0 for _, _, spills in rows.values()), run.stdout
+
 def test_pdl_compiles_into_the_kernels_for_hopper():
     """decode_attention(pdl=True): either paged kernel lets the remaining blocks' kernel launch at once
     (griddepcontrol.launch_dependents), which lets the merge launch at once and waits for the paged grid before it
