@@ -26,8 +26,10 @@ def page_lengths(cache, start: int, end: int) -> list[int] | None:
     """The cache lengths in (start, end) at which decoding one token at a time would turn buffered tokens into a
     page: those of a KittyCache with the paper's schedule (flush_spread 1, or "auto" for one sequence), whose key
     pages form at lengths sink + k * G and value pages at sink + R + k * G. Between two of them a chunk of tokens
-    sees exactly the cache that each of its tokens would see when decoded. None for other caches (fed one token at
-    a time)."""
+    sees exactly the cache that each of its tokens would see when decoded. None for other caches and for those that
+    decode with the 8-bit kernels (fed one token at a time)."""
+    from kernels.i8_reference import I8_KERNELS
+
     from .cache import KittyCache, KittyLayer
     if not isinstance(cache, KittyCache):
         return None
@@ -35,8 +37,9 @@ def page_lengths(cache, start: int, end: int) -> list[int] | None:
     for layer in cache.layers:
         if not isinstance(layer, KittyLayer):               # transformers' sliding-window layers: no pages
             continue
-        # one sequence (teacher forcing): "auto" is the paper's schedule until a layer has seen its batch
-        if layer.flush_spread not in (1, "auto"):
+        # one sequence (teacher forcing): "auto" is the paper's schedule until a layer has seen its batch. A chunk
+        # is attended with exact arithmetic: the 8-bit kernels' numbers come from decode steps alone
+        if layer.flush_spread not in (1, "auto") or layer.decode_kernel in I8_KERNELS:
             return None
         cfg = layer.config
         first = [cfg.sink + cfg.page_size] * (cfg.k_bits < 16) + \

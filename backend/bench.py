@@ -8,6 +8,7 @@
     python -m backend.bench attention --quick --out results.json      # tiny shapes on a CPU, under a minute
     python -m backend.bench compare [--methods fp16 kivi-k2v2 kitty] [--new-tokens 64] [--repeat 2]
     python -m backend.bench turn [--prompt 8192] [--new-tokens 256] [--batch 16]   # a chat's next turn, ragged
+    python -m backend.bench quality [--methods kitty-pro kivi-k2v2] [--kernels auto gluon-tma-i8k] [--prompt 1040]
     python -m backend.bench plot results.json                          # figures (HTML, PNG) from saved results
 
 attention: decode attention of one query per sequence over a cache of L tokens, Qwen3-8B attention shape
@@ -31,6 +32,10 @@ method (a Kitty cache attends over its pages dequantized, sink and buffers, and 
 
 compare: what a visitor waits for: one comparison of the page (default model, default prompt, the methods at once,
 one thread each) until every answer is complete, and until each is also scored against FP16 (teacher forcing).
+
+quality: teacher-forced KL from the full-precision default model over the bundled text, for each method and decode
+kernel: what the 8-bit kernels' arithmetic costs in accuracy (on a CPU emulated by kernels/i8_reference.py at any
+shape; on a GPU the kernels themselves where they apply) beside what the cache's quantization costs.
 """
 from __future__ import annotations
 
@@ -854,6 +859,39 @@ def bench_compare(args) -> dict:
             "device": str(model.device), "rows": rows, "env": environment()}
 
 
+def bench_quality(args) -> dict:
+    """Teacher-forced KL from the full-precision model on the default model, for each method and decode kernel
+    (test_quality's measure, as a table): what a kernel's arithmetic costs in accuracy beside what the cache's
+    quantization costs. The 8-bit kernels are fed one token at a time (analysis.page_lengths), their arithmetic from
+    kernels/i8_reference.py on a CPU; the others between page boundaries."""
+    from . import make_cache
+    from .analysis import bundled_text, mean_kl, page_lengths, perplexity, teacher_forced_logprobs
+    from .model import load_model
+    model, tokenizer = load_model()
+    prefix = 16
+    ids = tokenizer(bundled_text(), return_tensors="pt").input_ids[:, :args.prompt or 1040].to(model.device)
+    with torch.no_grad():
+        reference = model(ids).logits[0, prefix - 1:-1].float().log_softmax(-1).cpu()
+    targets = ids[0, prefix:]
+    rows = [{"method": "full precision", "kernel": None, "kl": 0.0, "perplexity": perplexity(reference, targets)}]
+    for method in args.methods or ["kitty-pro", "kivi-k2v2"]:
+        for kernel in args.kernels:
+            cache = make_cache(model, method, decode_kernel=kernel)
+            fed = "one token a step" if page_lengths(cache, prefix, ids.shape[1] - 1) is None else "page chunks"
+            start = time.perf_counter()
+            logprobs = teacher_forced_logprobs(model, ids, cache, prefix=prefix)
+            rows.append({"method": method, "kernel": kernel, "fed": fed, "kl": mean_kl(reference, logprobs),
+                         "perplexity": perplexity(logprobs, targets), "seconds": time.perf_counter() - start})
+    print(f"teacher-forced over {ids.shape[1] - prefix} tokens of the bundled text, {model.kitty_model_name} on "
+          f"{model.device}:")
+    for row in rows:
+        print(f"  {row['method']:>16} {row['kernel'] or '':>14}  KL {row['kl']:.4f}  perplexity "
+              f"{row['perplexity']:.2f}" + (f"  ({row['fed']}, {row['seconds']:.0f} s)" if row["kernel"] else ""),
+              flush=True)
+    return {"kind": "quality", "tokens": ids.shape[1] - prefix, "model": model.kitty_model_name,
+            "device": str(model.device), "rows": rows, "env": environment()}
+
+
 def write_figures(result: dict, out: Path) -> list[Path]:
     """One Plotly figure per table: HTML always, PNG where kaleido is installed and a browser is found."""
     try:
@@ -891,6 +929,13 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         fig.update_layout(title=f"A chat's next turn of {r['turn']} tokens on {r['batch']} sequences of "
                                 f"{r['first_turn_lengths'][0]}-{r['first_turn_lengths'][1]} tokens (lower is better)",
                           yaxis_title="milliseconds per forward")
+    elif result["kind"] == "quality":
+        cached = [r for r in rows if r["kernel"]]
+        for kernel in dict.fromkeys(r["kernel"] for r in cached):
+            sel = [r for r in cached if r["kernel"] == kernel]
+            fig.add_bar(name=f"decode kernel {kernel}", x=[r["method"] for r in sel], y=[r["kl"] for r in sel])
+        fig.update_layout(title=f"Teacher-forced KL from full precision over {result['tokens']} tokens, "
+                                f"{result['model']} (lower is better)", yaxis_title="nats / token", barmode="group")
     else:
         fig.add_bar(x=[f"{r['method']} (B={r['batch']})" for r in rows], y=[r["tokens_per_s"] for r in rows])
         fig.update_layout(title=f"Generation under a {result['budget_gb']} GB budget: tokens/s at the largest batch",
@@ -915,7 +960,7 @@ def write_figures(result: dict, out: Path) -> list[Path]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=["attention", "generate", "tune", "compare", "turn", "plot"])
+    parser.add_argument("kind", choices=["attention", "generate", "tune", "compare", "turn", "quality", "plot"])
     parser.add_argument("results", nargs="?", help="for plot: a results JSON written by --out")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU friendly, under a minute")
     parser.add_argument("--out", type=Path, help="write results JSON here (and figures beside it)")
@@ -923,13 +968,15 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="*")
     parser.add_argument("--methods", nargs="*")
     parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=["auto"],
-                        help="attention: decode kernels over the paged blocks, each measured (default: auto, the "
-                             "product's choice; gluon: GPU only)")
+                        help="attention, quality: decode kernels over the paged blocks, each measured (default: "
+                             "auto, the product's choice; gluon: GPU only, but the 8-bit kernels' arithmetic also "
+                             "runs on a CPU for quality)")
     parser.add_argument("--pdl", choices=list(PDL_CHOICES), default="default",
                         help="attention: decode_attention's pdl (its three launches chained by programmatic dependent "
                              "launch): its default, off, on or both, each measured")
     parser.add_argument("--budget-gb", type=float, default=80.0)
-    parser.add_argument("--prompt", type=int, help="generate: prompt tokens; turn: the longest first turn")
+    parser.add_argument("--prompt", type=int, help="generate: prompt tokens; turn: the longest first turn; quality: "
+                        "tokens of the bundled text (default 1,040)")
     parser.add_argument("--new-tokens", type=int, help="generate: tokens to generate; turn: the next turn's tokens")
     parser.add_argument("--batch", type=int, help="generate: force this batch instead of the largest that fits; "
                         "turn: the batch (default 16)")
@@ -962,7 +1009,7 @@ def main(argv=None) -> int:
             print(path)
         return 0
     result = {"attention": bench_attention, "generate": bench_generate, "tune": bench_tune,
-              "compare": bench_compare, "turn": bench_turn}[args.kind](args)
+              "compare": bench_compare, "turn": bench_turn, "quality": bench_quality}[args.kind](args)
     if result.get("copy_gbs"):
         print(f"device-to-device copy: {result['copy_gbs']:.0f} GB/s (read + write)")
     if args.out:

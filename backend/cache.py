@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kernels import dequantize, flush, quantize
 from kernels.chunk_attention import chunk_attention
 from kernels.decode_attention import KERNELS, DecodeWorkspace, decode_attention, decode_attention_ref
+from kernels.i8_reference import I8_KERNELS, decode_attention_i8_ref
 from kernels.layout import FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_bytes, value_page_bytes
 
 from .memory import FP_BYTES, TABLE_ENTRY_BYTES
@@ -269,6 +270,9 @@ class KittyLayer(CacheLayerMixin):
         if self._triton():
             return decode_attention(query[:, :, 0], self.paged(), scaling, workspace=self.workspace,
                                     kernel=self.decode_kernel).unsqueeze(1)
+        if self.decode_kernel in I8_KERNELS:        # the 8-bit kernels' arithmetic (their accuracy, on a CPU)
+            return decode_attention_i8_ref(query[:, :, 0], self.paged(), scaling,
+                                           values=I8_KERNELS[self.decode_kernel]).unsqueeze(1)
         return decode_attention_ref(query[:, :, 0], self.paged(), scaling).unsqueeze(1)
 
     def _attend_chunk(self, query, key, value, scaling, counts=None) -> torch.Tensor:

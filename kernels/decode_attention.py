@@ -43,18 +43,19 @@ from .layout import PagedKV
 
 
 # ---------------------------------------------------------------------------------------------- reference
-def gather_kv(kv: PagedKV, b: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence b's keys and values in token order, (H, L, D) each, pages dequantized (the reference path)."""
+def gather_kv(kv: PagedKV, b: int, dtype: torch.dtype, skip_pages: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence b's keys and values in token order, (H, L, D) each, pages dequantized (the reference path).
+    skip_pages: the first that many key and value pages left out (the tokens of i8_reference's paged slots)."""
     s, g = kv.sink, kv.page_size
     length, nkp, nvp = (int(x[b]) for x in (kv.seq_len, kv.n_kpages, kv.n_vpages))
     sink = min(length, s)
-    kp, vp = kv.k_table[b, :nkp].long(), kv.v_table[b, :nvp].long()
+    kp, vp = kv.k_table[b, skip_pages:nkp].long(), kv.v_table[b, skip_pages:nvp].long()
     k_pages = dequantize_keys_ref(kv.k_low[kp], kv.k_high[kp], kv.k_ch[kp], kv.k_scale[kp], kv.k_zero[kp], dtype)
     v_pages = dequantize_values_ref(kv.v_low[vp], kv.v_high[vp], kv.v_scale[vp], kv.v_zero[vp], dtype)
     h, d = kv.k_fp.shape[1], kv.k_fp.shape[3]
-    keys = torch.cat([kv.k_fp[b, :, :sink].to(dtype), k_pages.transpose(0, 1).reshape(h, nkp * g, d),
+    keys = torch.cat([kv.k_fp[b, :, :sink].to(dtype), k_pages.transpose(0, 1).reshape(h, -1, d),
                       kv.k_fp[b, :, s:s + length - sink - nkp * g].to(dtype)], dim=1)
-    values = torch.cat([kv.v_fp[b, :, :sink].to(dtype), v_pages.transpose(0, 1).reshape(h, nvp * g, d),
+    values = torch.cat([kv.v_fp[b, :, :sink].to(dtype), v_pages.transpose(0, 1).reshape(h, -1, d),
                         kv.v_fp[b, :, s:s + length - sink - nvp * g].to(dtype)], dim=1)
     return keys, values
 

@@ -85,6 +85,23 @@ def test_plot_writes_png_from_results_json(tmp_path):
     assert results.with_suffix(".html").exists()
 
 
+def test_bench_quality_puts_each_kernels_arithmetic_beside_the_caches(tmp_path):
+    """`bench quality`: teacher-forced KL from full precision on the default model per method and decode kernel; the
+    8-bit keys' arithmetic (i8_reference on a CPU) fed one token a step, within a few percent of the exact kernel's
+    KL, which the 2-bit cache itself makes far from zero."""
+    out = tmp_path / "quality.json"
+    done = subprocess.run([sys.executable, "-m", "backend.bench", "quality", "--prompt", "176", "--methods",
+                           "kivi-k2v2", "--kernels", "auto", "gluon-tma-i8k", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["kind"] == "quality" and result["tokens"] == 160 and out.with_suffix(".html").exists()
+    full, exact, i8k = result["rows"]
+    assert full["kl"] == 0 and (exact["kernel"], i8k["kernel"]) == ("auto", "gluon-tma-i8k")
+    assert (exact["fed"], i8k["fed"]) == ("page chunks", "one token a step")
+    assert exact["kl"] > 0.01 and abs(i8k["kl"] - exact["kl"]) < 0.05 * exact["kl"], result["rows"]
+    assert full["perplexity"] < exact["perplexity"]
+
 def test_bench_compare_times_the_pages_comparison(tmp_path):
     """`bench compare`: the page's comparison on the default model, timed until answered and until scored."""
     out = tmp_path / "compare.json"

@@ -281,6 +281,27 @@ def test_decode_kernel_setting_reaches_every_decode_step_and_bad_values_are_refu
         make_cache(model, cfg, decode_kernel="cuda")
 
 
+def test_the_8bit_kernels_arithmetic_decodes_on_the_reference_path(monkeypatch):
+    """make_cache(decode_kernel="gluon-tma-i8k" / "gluon-tma-i8") without Triton decodes with kernels/i8_reference.py
+    (its values rounded only for "gluon-tma-i8"): the logits move off the exact reference's, by little; teacher
+    forcing feeds such a cache one token a step (a chunk would be attended exactly: analysis.page_lengths)."""
+    from backend import analysis
+    cfg = method_config("kitty", page_size=16, local_window=16, sink=4)
+    model = tiny_model(heads=6, kv_heads=2, layers=1)
+    ids = torch.randint(3, 256, (2, 80), generator=torch.Generator().manual_seed(3))
+    exact = feed(model, ids, make_cache(model, cfg, use_triton=False), prefix=40)
+    real = backend.cache.decode_attention_i8_ref
+    for kernel, values in (("gluon-tma-i8k", False), ("gluon-tma-i8", True)):
+        asked = []
+        monkeypatch.setattr(backend.cache, "decode_attention_i8_ref",
+                            lambda *a, **k: asked.append(k["values"]) or real(*a, **k))
+        got = feed(model, ids, make_cache(model, cfg, use_triton=False, decode_kernel=kernel), prefix=40)
+        assert asked and set(asked) == {values}, kernel
+        moved = ((got - exact).norm() / exact.norm()).item()
+        assert 0 < moved < 0.02, (kernel, moved)            # measured: 0.13 % and 0.59 %
+        assert analysis.page_lengths(make_cache(model, cfg, decode_kernel=kernel), 5, 79) is None
+    assert analysis.page_lengths(make_cache(model, cfg), 5, 79)
+
 def test_page_pool_hands_out_ids_in_order_and_ranks_repeated_rows():
     """Pages are taken in order, storage grows on demand, release_all gives every page back; occurrence_rank numbers
     a sequence's repeats (several pages of one sequence in one call), also on the fast path of distinct rows."""
