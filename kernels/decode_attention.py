@@ -612,7 +612,9 @@ GLUON_MAXNREG_FEW = 192
 # (GPUs before Hopper)
 # "gluon-tma-i8k": the same with the key products on the integer matrix unit (decode_gluon's I8_QUARTER_ASM: the
 # queries times scales rounded to 8 bits a page); "gluon-tma-i8": the value products too (p times scales rounded to
-# 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20)
+# 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
+# kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
+# section 3, `python -m backend.bench quality`)
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
