@@ -666,10 +666,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
     same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
-    (choose_kernel). rest_warps:
-    warps a program of the remaining blocks (default: decode_rest.rest_warps). pdl: the three launches chained by
-    programmatic dependent launch (decode_launches; default PDL). With a workspace, its buffers are reused (see
-    DecodeWorkspace); without, they are allocated per call."""
+    (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps). pdl: the
+    three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
+    buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
                            rest_warps, pdl)()
 

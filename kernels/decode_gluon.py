@@ -348,8 +348,10 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: 
                                            s2, s3, NB)
     scale = gl.convert_layout(qk_scale * (1.0 / Q_SCALE) / r.to(gl.float32), i8)
     zq = gl.max(zq, axis=0) * (qk_scale * (1.0 / Q_SCALE))
-    return (_i8_scores(s0, scale * _pick(I8_QUARTER_WEIGHT, 0), zq), _i8_scores(s1, scale * _pick(I8_QUARTER_WEIGHT, 1), zq),
-            _i8_scores(s2, scale * _pick(I8_QUARTER_WEIGHT, 2), zq), _i8_scores(s3, scale * _pick(I8_QUARTER_WEIGHT, 3), zq))
+    return (_i8_scores(s0, scale * _pick(I8_QUARTER_WEIGHT, 0), zq),
+            _i8_scores(s1, scale * _pick(I8_QUARTER_WEIGHT, 1), zq),
+            _i8_scores(s2, scale * _pick(I8_QUARTER_WEIGHT, 2), zq),
+            _i8_scores(s3, scale * _pick(I8_QUARTER_WEIGHT, 3), zq))
 
 
 @gluon.jit

@@ -189,7 +189,8 @@ def main(argv=None) -> int:
                         help="warps per program (the Triton kernel's num_warps, or the rest kernel's rest_warps; the "
                              "Gluon kernel's programs are one warp)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
-    parser.add_argument("--kernel", choices=["triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "rest"], default="triton",
+    parser.add_argument("--kernel", default="triton",
+                        choices=["triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "rest"],
                         help="decode_attention's kernel over the paged blocks (gluon, gluon-tma: "
                              "kernels/decode_gluon.py), or the one over the remaining blocks (rest: "
                              "kernels/decode_rest.py, no loop)")

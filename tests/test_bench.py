@@ -102,6 +102,7 @@ def test_bench_quality_puts_each_kernels_arithmetic_beside_the_caches(tmp_path):
     assert exact["kl"] > 0.01 and abs(i8k["kl"] - exact["kl"]) < 0.05 * exact["kl"], result["rows"]
     assert full["perplexity"] < exact["perplexity"]
 
+
 def test_bench_compare_times_the_pages_comparison(tmp_path):
     """`bench compare`: the page's comparison on the default model, timed until answered and until scored."""
     out = tmp_path / "compare.json"

@@ -302,6 +302,7 @@ def test_the_8bit_kernels_arithmetic_decodes_on_the_reference_path(monkeypatch):
         assert analysis.page_lengths(make_cache(model, cfg, decode_kernel=kernel), 5, 79) is None
     assert analysis.page_lengths(make_cache(model, cfg), 5, 79)
 
+
 def test_page_pool_hands_out_ids_in_order_and_ranks_repeated_rows():
     """Pages are taken in order, storage grows on demand, release_all gives every page back; occurrence_rank numbers
     a sequence's repeats (several pages of one sequence in one call), also on the fast path of distinct rows."""
