@@ -62,6 +62,7 @@ from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNRE
                                       DecodeWorkspace, choose_kernel, decode_attention, decode_launches, default_splits,
                                       gluon_maxnreg, multiprocessors, resident_programs, split_count)
 from kernels.decode_rest import rest_blocks
+from kernels.layout import key_page_bytes, value_page_bytes
 
 from . import memory
 from .cache import FLUSH_MODES, KittyLayer, auto_flush_spread
@@ -259,7 +260,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "pdl", "i8")
+               "pdl", "i8", "loads")
 
 
 def bench_tune(args) -> dict:
@@ -274,6 +275,7 @@ def bench_tune(args) -> dict:
     method = (args.methods or ["kitty-pro"])[0]
     sm_count = multiprocessors(torch.device(device))
     from kernels.decode_gluon import resident_programs as gluon_resident
+    from kernels.decode_gluon import supports_tma as gluon_supports_tma
     rows = []
     for length in lengths:
         for batch in batches:
@@ -288,7 +290,8 @@ def bench_tune(args) -> dict:
             # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False)
+            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False,
+                        loads=False)
 
             default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
             default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
@@ -331,27 +334,53 @@ def bench_tune(args) -> dict:
                       # kernel's spills 9 loads and stores a page there), each at the split its programs choose;
                       # with the default kernel at its own cap for the same run
                       "i8": [gluon(cap)] + [gluon(r, kernel=k) for k in ("gluon-tma-i8k", "gluon-tma-i8")
-                                            for r in (GLUON_MAXNREG, 128)]}
+                                            for r in (GLUON_MAXNREG, 128)],
+                      # the memory pipeline's ceiling: the default Gluon kernel's paged launch with its copies and
+                      # barriers and no products (decode_gluon's COMPUTE=False; not attention), at the splits of 12
+                      # and 16 programs a multiprocessor (its own registers never limit it), beside the whole kernel
+                      "loads": [gluon(cap)] + [{**gluon(r), "loads": True} for r in (GLUON_MAXNREG, 128)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
-            settings = [s for i, s in enumerate(settings) if s not in settings[:i]]
+            settings = [s for i, s in enumerate(settings) if s not in settings[:i]
+                        and (not s["loads"] or gluon_supports_tma(q, kv))]          # the copies-only launch: TMA
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                                rest_warps=setting["rest_warps"], pdl=setting["pdl"])
+                if setting["loads"]:
+                    run = paged_copies(q, kv, setting["splits"], setting["maxnreg"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
-                                 us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels))
+                                 us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels,
+                                 paged_gbs=paged_bytes(kv) / seconds / 1e9))
                 print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}"
                                                             for k, v in setting.items())
                       + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
-                      f"{rows[-1]['gbs']:7.0f} GB/s" + "".join(f" | {name[:24]} {us:.1f}"
+                      f"{rows[-1]['gbs']:7.0f} GB/s (pages {rows[-1]['paged_gbs']:5.0f})" + "".join(f" | {name[:24]} {us:.1f}"
                                                                for name, us in kernels.items()), flush=True)
             del layer, kv, k, v
             if device == "cuda":
                 torch.cuda.empty_cache()
     return {"kind": "tune", "rows": rows, "env": environment()}
+
+
+def paged_copies(q: torch.Tensor, kv, splits: int, maxnreg: int):
+    """A call of the default Gluon kernel's paged launch that only copies its pages and waits for them (TMA,
+    decode_gluon's COMPUTE=False): what the memory pipeline alone takes, on a GPU that takes TMA."""
+    from kernels import decode_gluon
+    b, hq, d = q.shape
+    parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),
+             torch.empty(b, hq, splits, device=q.device))
+    descriptors = decode_gluon.tma_descriptors(kv, d)
+    return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, True, descriptors, compute=False)
+
+
+def paged_bytes(kv) -> int:
+    """Bytes of the pages the paged kernel reads: every sequence's slots with both a key and a value page."""
+    h, d = kv.k_fp.shape[1], kv.k_fp.shape[3]
+    page = key_page_bytes(h, d, kv.page_size, kv.n_boost) + value_page_bytes(h, d, kv.page_size, kv.v_bits)
+    return int(torch.minimum(kv.n_kpages, kv.n_vpages).sum()) * page
 
 
 def print_rows(rows, header=True):

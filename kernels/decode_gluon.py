@@ -736,12 +736,14 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False):
+        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
+        COMPUTE: gl.constexpr = True):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
     the key scales as a pointer, for the boosted channels' gather. PDL: the remaining blocks' kernel after it may
-    start at once (decode_launches' pdl)."""
+    start at once (decode_launches' pdl). COMPUTE=False: the page loop's copies and barriers only, no products (its
+    partials are not attention: `python -m backend.bench tune --vary loads`, the memory pipeline's own ceiling)."""
     if PDL:
         _launch_dependents()
     b = gl.program_id(0)
@@ -774,7 +776,9 @@ def _gluon_paged_kernel(
         vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         _arrived(kbar, phase, TMA)                  # this slot's keys are in (its values may not be)
         _BARRIER()                                  # ... for every lane (and, the first time, the queries)
-        if I8 > 0:
+        if not COMPUTE:
+            pass
+        elif I8 > 0:
             s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         else:
             s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
@@ -784,8 +788,9 @@ def _gluon_paged_kernel(
         _commit(TMA)
         _arrived(vbar, phase, TMA)                  # this slot's values are in (the next slot's keys may not be)
         _BARRIER()
-        m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1,
-                                                                acc2, acc3, D, G, V_BITS, I8 == 2)
+        if COMPUTE:
+            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -916,9 +921,11 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
-           use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0) -> None:
+           use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
+           compute: bool = True) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
-    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only)."""
+    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only);
+    compute=False: the copies alone (a measurement of the memory pipeline, not attention)."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
-        *args, **constants, PDL=pdl, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
+        *args, **constants, PDL=pdl, COMPUTE=compute, num_warps=1, **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

@@ -433,6 +433,26 @@ def test_i8_kernels_compile_for_hopper_with_integer_products():
     assert all(spills == 0 for _, _, spills in rows.values()), run.stdout
 
 
+def test_the_copies_only_kernel_keeps_the_kernels_memory_pipeline():
+    """Without a GPU: the paged kernel with COMPUTE=False (bench tune --vary loads, the memory pipeline's ceiling)
+    issues the same TMA copies and mbarrier waits a page as the kernel it measures, and no products."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.sass_profile import compile_gluon_kernel, profile
+        for compute in (True, False):
+            compiled = compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, compute=compute)
+            ptx = compiled.asm["ptx"]
+            print(compute, ptx.count("cp.async.bulk.tensor"), ptx.count("mbarrier.try_wait"),
+                  profile(compiled)["loop matrix"])
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    full, copies = (line.split()[1:] for line in run.stdout.splitlines())
+    assert copies[:2] == full[:2] and int(full[0]) > 0 and int(full[1]) > 0, run.stdout
+    assert int(copies[2]) == 0 < int(full[2]), run.stdout
+
+
 def test_pdl_compiles_into_the_kernels_for_hopper():
     """decode_attention(pdl=True): either paged kernel lets the remaining blocks' kernel launch at once
     (griddepcontrol.launch_dependents), which lets the merge launch at once and waits for the paged grid before it
