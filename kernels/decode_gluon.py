@@ -554,7 +554,19 @@ def _tma_plane(desc, row, bar, buf, CH: gl.constexpr, R: gl.constexpr, C: gl.con
     shorter (1,384). Measured on the H200 in one run, with PDL (BENCHMARKS.md section 1, session 18, call 3):
     2.9-6.5 us faster at batches 16-64 / 32K (443.2 against 449.8 at 64 / 32K), 1.0 faster at 4 / 4K, within 0.5 us
     at 10 shapes, 0.8 slower at 1 / 4K."""
-    tma.async_copy_global_to_shared(desc, [0, row, 0], bar, buf._reinterpret(gl.uint8, [CH, R, C], _tma_shared(8, 3)))
+    if _rank(desc.block_shape) == 2:
+        # whole page rows, a box of (R, CH * C) bytes (tma_descriptors' wide planes: the copies-only measurement of
+        # bench tune --vary loads; the chunks then land interleaved, which only a page layout stored chunk by chunk
+        # would make the planes the products read)
+        tma.async_copy_global_to_shared(desc, [row, 0], bar, buf._reinterpret(gl.uint8, [R, CH * C], desc.layout))
+    else:
+        tma.async_copy_global_to_shared(desc, [0, row, 0], bar,
+                                        buf._reinterpret(gl.uint8, [CH, R, C], _tma_shared(8, 3)))
+
+
+@gluon.constexpr_function
+def _rank(shape):
+    return len(shape)
 
 
 @gluon.jit
@@ -851,10 +863,13 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, by_shared))
 
 
-def tma_descriptors(kv: PagedKV, head_dim: int) -> tuple:
+def tma_descriptors(kv: PagedKV, head_dim: int, wide: bool = False, swizzle: int = 0) -> tuple:
     """The page tensors as the TMA path reads them: each plane a 3-D view (chunk, page x head x row, column) with a
     box of all of a page's chunks (_tma_plane), each vector a 2-D view (page x head, element) with a box of one
-    row. A plane the method lacks gets the low plane's descriptor (never read)."""
+    row. A plane the method lacks gets the low plane's descriptor (never read). wide: each plane a 2-D view (page x
+    head x row, column) with a box of a page's whole rows, for the copies-only launch alone (bench tune --vary loads:
+    TMA boxes of 128-byte rows instead of 32-byte ones; the products would read its planes out of order), written
+    with `swizzle` bytes' swizzling (0, or 32 / 64 / 128: TMA's own patterns)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     g, nb, d = kv.page_size, kv.n_boost, head_dim
 
@@ -863,6 +878,9 @@ def tma_descriptors(kv: PagedKV, head_dim: int) -> tuple:
 
     def plane(t, columns, rows, chunk):
         """A code plane of `rows` rows of `columns` bytes a page, in chunks of `chunk` columns."""
+        if wide:
+            layout = gl.NVMMASharedLayout(swizzle_byte_width=min(swizzle, columns), element_bitwidth=8, rank=2)
+            return TensorDescriptor.from_tensor(t.view(-1, columns), [rows, columns], layout)
         n = columns // chunk
         return TensorDescriptor(t, [n, t.numel() // columns, chunk], [chunk, columns, 1], [n, rows, chunk],
                                 _tma_shared(8, 3))

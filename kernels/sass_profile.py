@@ -87,17 +87,19 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
-                         pdl: bool = False, i8: int = 0, compute: bool = True):
+                         pdl: bool = False, i8: int = 0, compute: bool = True, wide: bool = False):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
-    example cache as compile_split_kernel (compute=False: its copies alone, bench tune --vary loads)."""
+    example cache as compile_split_kernel (compute=False: its copies alone, with wide boxes or not: bench tune --vary
+    loads)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
+    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments, tma_descriptors
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8)
+    descriptors = tma_descriptors(kv, head_dim, wide) if use_tma else None
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, descriptors, i8=i8)
     return _compile(GluonASTSource, _gluon_paged_kernel, args, {**constants, "PDL": pdl, "COMPUTE": compute}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
