@@ -337,11 +337,8 @@ def bench_tune(args) -> dict:
                                             for r in (GLUON_MAXNREG, 128)],
                       # the memory pipeline's ceiling: the default Gluon kernel's paged launch with its copies and
                       # barriers and no products (decode_gluon's COMPUTE=False; not attention), at the splits of 12
-                      # and 16 programs a multiprocessor (its own registers never limit it), beside the whole kernel;
-                      # "wide": the same with TMA boxes of whole 128-byte page rows instead of 32-byte chunk rows
-                      # ("wide-swizzled": written with TMA's 128-byte swizzle)
-                      "loads": [gluon(cap)] + [{**gluon(r), "loads": True} for r in (GLUON_MAXNREG, 128)]
-                      + [{**gluon(GLUON_MAXNREG), "loads": wide} for wide in ("wide", "wide-swizzled")]}
+                      # and 16 programs a multiprocessor (its own registers never limit it), beside the whole kernel
+                      "loads": [gluon(cap)] + [{**gluon(r), "loads": True} for r in (GLUON_MAXNREG, 128)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the copies-only launch: TMA
@@ -351,8 +348,7 @@ def bench_tune(args) -> dict:
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                                rest_warps=setting["rest_warps"], pdl=setting["pdl"])
                 if setting["loads"]:
-                    run = paged_copies(q, kv, setting["splits"], setting["maxnreg"], wide=setting["loads"] is not True,
-                                       swizzle=128 if setting["loads"] == "wide-swizzled" else 0)
+                    run = paged_copies(q, kv, setting["splits"], setting["maxnreg"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
@@ -369,15 +365,14 @@ def bench_tune(args) -> dict:
     return {"kind": "tune", "rows": rows, "env": environment()}
 
 
-def paged_copies(q: torch.Tensor, kv, splits: int, maxnreg: int, wide: bool = False, swizzle: int = 0):
+def paged_copies(q: torch.Tensor, kv, splits: int, maxnreg: int):
     """A call of the default Gluon kernel's paged launch that only copies its pages and waits for them (TMA,
-    decode_gluon's COMPUTE=False): what the memory pipeline alone takes, on a GPU that takes TMA (wide: with boxes
-    of whole page rows written with `swizzle`, decode_gluon.tma_descriptors)."""
+    decode_gluon's COMPUTE=False): what the memory pipeline alone takes, on a GPU that takes TMA."""
     from kernels import decode_gluon
     b, hq, d = q.shape
     parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),
              torch.empty(b, hq, splits, device=q.device))
-    descriptors = decode_gluon.tma_descriptors(kv, d, wide, swizzle)
+    descriptors = decode_gluon.tma_descriptors(kv, d)
     return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, True, descriptors, compute=False)
 
 

@@ -28,7 +28,8 @@ from kernels import dequantize, flush, quantize
 from kernels.chunk_attention import chunk_attention
 from kernels.decode_attention import KERNELS, DecodeWorkspace, decode_attention, decode_attention_ref
 from kernels.i8_reference import I8_KERNELS, decode_attention_i8_ref
-from kernels.layout import FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_bytes, value_page_bytes
+from kernels.layout import (FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_bytes, key_plane_shape,
+                            value_page_bytes, value_plane_shape)
 
 from .memory import FP_BYTES, TABLE_ENTRY_BYTES
 from .methods import CacheConfig
@@ -116,16 +117,17 @@ class KittyLayer(CacheLayerMixin):
         fp = dict(dtype=self.store_dtype, device=self.device)
         self.k_fp = torch.zeros((bsz, heads, s + (g + wait if cfg.k_bits < 16 else 0), dim), **fp)
         self.v_fp = torch.zeros((bsz, heads, s + (r + g + wait if cfg.v_bits < 16 else 0), dim), **fp)
-        gq, dq = g // 4, dim // 4
         self.key_pool = PagePool({
-            "low": ((heads, gq, dim), torch.uint8), "high": ((heads, gq, self.n_boost), torch.uint8),
+            "low": (key_plane_shape(heads, g, dim), torch.uint8),
+            "high": (key_plane_shape(heads, g, self.n_boost), torch.uint8),
             "ch": ((heads, self.n_boost), torch.uint8), "scale": ((heads, dim), SCALE_DTYPE),
             "zero": ((heads, dim), SCALE_DTYPE),
             # a diagnostic (stats, plots), not part of the cache's bytes: no storage when it is not recorded
             "magnitude": ((heads, dim if self.record_magnitudes else 0), SCALE_DTYPE),
         }, self.device, diagnostics=("magnitude",))
         self.value_pool = PagePool({
-            "low": ((heads, dq, g), torch.uint8), "high": ((heads, dq if cfg.v_bits == 4 else 0, g), torch.uint8),
+            "low": (value_plane_shape(heads, dim, g), torch.uint8),
+            "high": (value_plane_shape(heads, dim, g, cfg.v_bits == 4), torch.uint8),
             "scale": ((heads, g), SCALE_DTYPE), "zero": ((heads, g), SCALE_DTYPE),
         }, self.device)
         # reserve_tokens sizes the page tables too: a table that grows moves, and a captured decode step with it

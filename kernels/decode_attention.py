@@ -39,7 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .decode_rest import launch_rest, rest_parts, rest_warps as default_rest_warps
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
-from .layout import PagedKV
+from .layout import PagedKV, key_offsets, value_offsets
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -211,7 +211,7 @@ def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
         zero = tl.load(kzero_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
         zq += tl.sum(q * zero[:, None], axis=0)
         b = (q * scale[:, None]).to(DOT)
-        tile = tl.load(klow_ptr + page * (G4 * D) + j[:, None] * D + d[None, :], mask=jmask & dmask[None, :],
+        tile = tl.load(klow_ptr + page * (G4 * D) + key_offsets(j, d, G4, D), mask=jmask & dmask[None, :],
                        other=0)                                                 # (token-in-quarter, channel)
         s0, s1, s2, s3, bsum = _plane_products(tile, b, s0, s1, s2, s3, bsum, DOT, PREC, ASM, OFFSET)
     if NB > 0:
@@ -222,7 +222,7 @@ def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
         ch_scale = tl.load(kscale_ptr + page * D + ch, mask=nbmask, other=0.0).to(tl.float32)
         q_ch = tl.load(q_cols[None, :] + ch[:, None], mask=nbmask[:, None] & hmask[None, :], other=0.0)
         b = (q_ch.to(tl.float32) * qk_scale * (4.0 * ch_scale)[:, None]).to(DOT)
-        tile = tl.load(khigh_ptr + page * (G4 * NB) + j[:, None] * NB + r[None, :], mask=jmask & nbmask[None, :],
+        tile = tl.load(khigh_ptr + page * (G4 * NB) + key_offsets(j, r, G4, NB), mask=jmask & nbmask[None, :],
                        other=0)
         s0, s1, s2, s3, bsum = _plane_products(tile, b, s0, s1, s2, s3, bsum, DOT, PREC, ASM, OFFSET)
     if OFFSET:                                          # s_i = M * bsum + w_i * scores_i
@@ -273,7 +273,7 @@ def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr, v
     vzero = tl.load(vzero_ptr + page * G + tok, mask=jmask, other=0.0).to(tl.float32)
     zacc += tl.sum(p * vzero[:, None], axis=0)
     b = (p * vscale[:, None]).to(DOT)
-    offs = page * (D4 * G) + c[:, None] * G + tok[None, :]                    # (channel byte, token), tokens contiguous
+    offs = page * (D4 * G) + value_offsets(c[:, None], tok[None, :], G, D4)  # (channel byte, token), layout.py
     mask = (c < D4)[:, None] & jmask[None, :]
     acc0, acc1, acc2, acc3, pacc = _plane_products(tl.load(vlow_ptr + offs, mask=mask, other=0), b, acc0, acc1,
                                                    acc2, acc3, pacc, DOT, PREC, ASM, OFFSET)

@@ -40,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .layout import PagedKV
+from .layout import KEY_CHUNK, PagedKV
 
 HEADS_PER_TILE = 8          # the matrix instruction's columns: a KV group of up to 8 query heads
 # a word of 4 code bytes -> itself and itself >> 8: 16-bit halves led by bytes 0 / 2 and 1 / 3, whose low bytes
@@ -190,12 +190,13 @@ def _copy_vector(smem, ptr, N: gl.constexpr, BYTES: gl.constexpr):
 # of a value page: 32 or 16 tokens), so that only one chunk's codes are unpacked and live at once: with whole tiles
 # the kernel wanted 218-240 registers and spilled at its cap. A slot's tiles are read from its shared-memory
 # buffers, where each plane is stored chunk by chunk ([chunks, rows, columns] bytes: conflict-free reads of a chunk).
-KC = gl.constexpr(32)
+KC = gl.constexpr(KEY_CHUNK)
 
 
 @gluon.constexpr_function
 def _chunk(K):
-    """Columns per chunk of a key plane K columns wide (channels: 32 at a time, or all of a 16-channel plane)."""
+    """Columns per chunk of a key plane K columns wide (channels: 32 at a time, or all of a 16-channel plane), as
+    layout.key_chunk stores it for the planes this kernel supports (0 or 16 boosted channels, or a multiple of 32)."""
     return min(K, KC)
 
 
@@ -484,29 +485,15 @@ def _plane_shape(R, K, C, PRESENT):
     return [K // C * R, C] if PRESENT else [R, 16]
 
 
-@gluon.constexpr_function
-def _copy_layout(CH, R, C):
-    """A [CH, R, C] chunked plane over a warp for cp.async, in the page's own byte order: a thread's 16 bytes, then
-    the chunks of a row, then rows, so that a warp reads whole rows (4 cache lines an instruction, not 16). (Its
-    16-byte pieces of a row land R * C bytes apart in shared memory, on the same banks: ncu counts 16 wavefronts
-    an instruction where 4 would do. A quarter warp taking one chunk's rows instead left that count as it was, and
-    Gluon in triton 3.6 lowers neither padded layouts nor slices of rows swizzled by chunk; on Hopper the TMA
-    copies below avoid it: BENCHMARKS.md section 1, session 16.)"""
-    tk = C // 16
-    tc = min(CH, 32 // tk)
-    return gl.BlockedLayout([1, 1, 16], [tc, 32 // (tk * tc), tk], [1, 1, 1], [2, 0, 1])
-
-
 @gluon.jit
-def _copy_plane(buf, ptr, page, R: gl.constexpr, K: gl.constexpr, C: gl.constexpr):
-    """cp.async of page `page`'s (R, K) code plane (rows of K bytes) into buf, a chunked plane (_plane_shape)."""
-    layout: gl.constexpr = _copy_layout(K // C, R, C)
-    chunks = buf._reinterpret(gl.uint8, [K // C, R, C], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    c = gl.arange(0, K // C, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
-    r = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-    k = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
-    offs = c[:, None, None] * C + r[None, :, None] * K + k[None, None, :]
-    async_copy.async_copy_global_to_shared(chunks, ptr + page * (R * K) + offs)
+def _copy_plane(buf, ptr, page, R: gl.constexpr, K: gl.constexpr):
+    """cp.async of page `page`'s (R, K) code plane into buf: both hold it chunk by chunk (layout.py), so it is one
+    contiguous run of R * K bytes, 16 a thread and 512 a warp an instruction (whole cache lines; in shared memory
+    no bank conflicts: while the planes were stored row by row, a row's chunks landed on the same banks, ncu's 16
+    wavefronts an instruction where 4 would do, BENCHMARKS.md section 1, session 16)."""
+    layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
+    flat = buf._reinterpret(gl.uint8, [R * K], _flat_shared())
+    async_copy.async_copy_global_to_shared(flat, ptr + page * (R * K) + gl.arange(0, R * K, layout=layout))
 
 
 @gluon.jit
@@ -533,40 +520,33 @@ def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr, TMA: 
 
 
 # ------------------------------------------------------------------------------------------- the same copies by TMA
-# decode_attention(kernel="gluon-tma", the default on Hopper): each plane is one TMA box of its chunks (_tma_plane),
-# each vector a box of one row, all on one mbarrier per kind that counts the page's bytes. Why: cp.async writes a
-# page row's 4 chunks on the same banks (ncu: 16 shared-memory wavefronts an instruction where 4 would do, 262 a page
-# where 71 would), and its 23 instructions a page carry their own address arithmetic; a TMA box is written whole, by
-# one instruction. Measured on the H200 with a box a chunk: 4-11 % faster than cp.async at batches 8 and 64, 3 % or
-# less at batch 1, DRAM throughput 64 -> 72 % (ncu; BENCHMARKS.md section 1, session 16, call 5); a box a plane took
-# 6 of its 14 barriers and 44 of its 1,428 instructions a page off (session 18).
+# decode_attention(kernel="gluon-tma", the default on Hopper): each plane is one TMA box of whole 128-byte rows
+# (_tma_plane), each vector a box of one row, all on one mbarrier per kind that counts the page's bytes. Why: cp.async
+# wrote a page row's 4 chunks on the same banks while the planes were stored row by row (ncu: 16 shared-memory
+# wavefronts an instruction where 4 would do), and its 23 instructions a page carry their own address arithmetic; a
+# TMA box is written whole, by one instruction. Measured on the H200 with a box a chunk: 4-11 % faster than cp.async
+# at batches 8 and 64, 3 % or less at batch 1, DRAM throughput 64 -> 72 % (ncu; BENCHMARKS.md section 1, session 16,
+# call 5); a box a plane took 6 of its 14 barriers and 44 of its 1,428 instructions a page off (session 18).
 @gluon.constexpr_function
 def _tma_shared(bits, rank=2):
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=rank)
 
 
+TMA_ROW = gl.constexpr(128)         # bytes of a plane box's rows
+
+
 @gluon.jit
-def _tma_plane(desc, row, bar, buf, CH: gl.constexpr, R: gl.constexpr, C: gl.constexpr):
-    """The chunked plane (_plane_shape: CH chunks of R rows of C bytes) of the page whose first row is `row`, into
-    buf, as one 3-D box (desc: the planes seen as (chunk, row, column), tma_descriptors). Why one box a plane
-    rather than one a chunk: Triton puts a barrier before every TMA copy it issues (bar.sync, then one elected
-    thread), 14 a kitty-pro page with a box a chunk, 8 with a box a plane, and the page loop is 44 instructions
-    shorter (1,384). Measured on the H200 in one run, with PDL (BENCHMARKS.md section 1, session 18, call 3):
-    2.9-6.5 us faster at batches 16-64 / 32K (443.2 against 449.8 at 64 / 32K), 1.0 faster at 4 / 4K, within 0.5 us
-    at 10 shapes, 0.8 slower at 1 / 4K."""
-    if _rank(desc.block_shape) == 2:
-        # whole page rows, a box of (R, CH * C) bytes (tma_descriptors' wide planes: the copies-only measurement of
-        # bench tune --vary loads; the chunks then land interleaved, which only a page layout stored chunk by chunk
-        # would make the planes the products read)
-        tma.async_copy_global_to_shared(desc, [row, 0], bar, buf._reinterpret(gl.uint8, [R, CH * C], desc.layout))
-    else:
-        tma.async_copy_global_to_shared(desc, [0, row, 0], bar,
-                                        buf._reinterpret(gl.uint8, [CH, R, C], _tma_shared(8, 3)))
-
-
-@gluon.constexpr_function
-def _rank(shape):
-    return len(shape)
+def _tma_plane(desc, page, bar, buf, CH: gl.constexpr, R: gl.constexpr, C: gl.constexpr):
+    """Page `page`'s plane (CH chunks of R rows of C bytes, stored chunk by chunk as buf holds it: layout.py) into
+    buf, as one box of its bytes in rows of TMA_ROW (desc: the planes seen as rows of TMA_ROW bytes,
+    tma_descriptors). Why whole rows: TMA's boxes of the 32-byte rows of one chunk, which the planes stored row by row
+    needed (a 3-D box: chunk, row, column), capped the copies alone at 3,954 GB/s at batch 64 / 32K, where boxes of
+    128-byte rows read 4,326 (H200, `python -m backend.bench tune --vary loads`, BENCHMARKS.md section 1, session
+    22). Why one box a plane rather than one a chunk: Triton puts a barrier before every TMA copy it issues (bar.sync,
+    then one elected thread), 14 a kitty-pro page with a box a chunk, 8 with a box a plane (session 18)."""
+    ROWS: gl.constexpr = CH * R * C // TMA_ROW
+    tma.async_copy_global_to_shared(desc, [(page * ROWS).to(gl.int32), 0], bar,
+                                    buf._reinterpret(gl.uint8, [ROWS, TMA_ROW], _tma_shared(8)))
 
 
 @gluon.jit
@@ -582,13 +562,12 @@ def _tma_keys(kbufs, bar, kpage, klow_d, khigh_d, kch_d, kscale_d, kzero_d, D: g
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     G4: gl.constexpr = G // 4
     mbarrier.expect(bar, G4 * (D + NB) + NB + 4 * D)
-    row = (kpage * G4).to(gl.int32)
-    _tma_plane(klow_d, row, bar, klow_s, D // KC, G4, KC)
+    _tma_plane(klow_d, kpage, bar, klow_s, D // KC, G4, KC)
     _tma_vector(kscale_d, kpage.to(gl.int32), bar, kscale_s, D, gl.float16, 16)
     _tma_vector(kzero_d, kpage.to(gl.int32), bar, kzero_s, D, gl.float16, 16)
     if NB > 0:
         NBC: gl.constexpr = _chunk(NB)
-        _tma_plane(khigh_d, row, bar, khigh_s, NB // NBC, G4, NBC)
+        _tma_plane(khigh_d, kpage, bar, khigh_s, NB // NBC, G4, NBC)
         _tma_vector(kch_d, kpage.to(gl.int32), bar, ch_s, NB, gl.uint8, 8)
 
 
@@ -600,10 +579,9 @@ def _tma_values(vbufs, bar, vpage, vlow_d, vhigh_d, vscale_d, vzero_d, D: gl.con
     D4: gl.constexpr = D // 4
     G4: gl.constexpr = G // 4
     mbarrier.expect(bar, D4 * G * (V_BITS // 2) + 4 * G)
-    row = (vpage * D4).to(gl.int32)
-    _tma_plane(vlow_d, row, bar, vlow_s, 4, D4, G4)
+    _tma_plane(vlow_d, vpage, bar, vlow_s, 4, D4, G4)
     if V_BITS == 4:
-        _tma_plane(vhigh_d, row, bar, vhigh_s, 4, D4, G4)
+        _tma_plane(vhigh_d, vpage, bar, vhigh_s, 4, D4, G4)
     _tma_vector(vscale_d, vpage.to(gl.int32), bar, vscale_s, G, gl.float16, 16)
     _tma_vector(vzero_d, vpage.to(gl.int32), bar, vzero_s, G, gl.float16, 16)
 
@@ -663,11 +641,11 @@ def _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr
                G: gl.constexpr, NB: gl.constexpr):
     """cp.async of key page `kpage`'s tiles into kbufs."""
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
-    _copy_plane(klow_s, klow_ptr, kpage, G // 4, D, KC)
+    _copy_plane(klow_s, klow_ptr, kpage, G // 4, D)
     _copy_vector(kscale_s, kscale_ptr + kpage * D, D, 2)
     _copy_vector(kzero_s, kzero_ptr + kpage * D, D, 2)
     if NB > 0:
-        _copy_plane(khigh_s, khigh_ptr, kpage, G // 4, NB, _chunk(NB))
+        _copy_plane(khigh_s, khigh_ptr, kpage, G // 4, NB)
         _copy_vector(ch_s, kch_ptr + kpage * NB, NB, 1)
 
 
@@ -676,9 +654,9 @@ def _copy_values(vbufs, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D: gl
                  V_BITS: gl.constexpr):
     """cp.async of value page `vpage`'s tiles into vbufs."""
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    _copy_plane(vlow_s, vlow_ptr, vpage, D // 4, G, G // 4)
+    _copy_plane(vlow_s, vlow_ptr, vpage, D // 4, G)
     if V_BITS == 4:
-        _copy_plane(vhigh_s, vhigh_ptr, vpage, D // 4, G, G // 4)
+        _copy_plane(vhigh_s, vhigh_ptr, vpage, D // 4, G)
     _copy_vector(vscale_s, vscale_ptr + vpage * G, G, 2)
     _copy_vector(vzero_s, vzero_ptr + vpage * G, G, 2)
 
@@ -863,33 +841,25 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, by_shared))
 
 
-def tma_descriptors(kv: PagedKV, head_dim: int, wide: bool = False, swizzle: int = 0) -> tuple:
-    """The page tensors as the TMA path reads them: each plane a 3-D view (chunk, page x head x row, column) with a
-    box of all of a page's chunks (_tma_plane), each vector a 2-D view (page x head, element) with a box of one
-    row. A plane the method lacks gets the low plane's descriptor (never read). wide: each plane a 2-D view (page x
-    head x row, column) with a box of a page's whole rows, for the copies-only launch alone (bench tune --vary loads:
-    TMA boxes of 128-byte rows instead of 32-byte ones; the products would read its planes out of order), written
-    with `swizzle` bytes' swizzling (0, or 32 / 64 / 128: TMA's own patterns)."""
+def tma_descriptors(kv: PagedKV, head_dim: int) -> tuple:
+    """The page tensors as the TMA path reads them: each plane as rows of TMA_ROW bytes with a box of a page's plane
+    (_tma_plane; a page's plane is one contiguous run, layout.py), each vector a 2-D view (page x head, element) with
+    a box of one row. A plane the method lacks gets the low plane's descriptor (never read)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     g, nb, d = kv.page_size, kv.n_boost, head_dim
 
     def vector(t, columns, bits):
         return TensorDescriptor.from_tensor(t.view(-1, columns), [1, columns], _tma_shared(bits))
 
-    def plane(t, columns, rows, chunk):
-        """A code plane of `rows` rows of `columns` bytes a page, in chunks of `chunk` columns."""
-        if wide:
-            layout = gl.NVMMASharedLayout(swizzle_byte_width=min(swizzle, columns), element_bitwidth=8, rank=2)
-            return TensorDescriptor.from_tensor(t.view(-1, columns), [rows, columns], layout)
-        n = columns // chunk
-        return TensorDescriptor(t, [n, t.numel() // columns, chunk], [chunk, columns, 1], [n, rows, chunk],
-                                _tma_shared(8, 3))
+    def plane(t, plane_bytes):
+        rows = TMA_ROW.value
+        return TensorDescriptor.from_tensor(t.view(-1, rows), [plane_bytes // rows, rows], _tma_shared(8))
 
-    klow = plane(kv.k_low, d, g // 4, KC.value)
-    vlow = plane(kv.v_low, g, d // 4, g // 4)
-    khigh = plane(kv.k_high, nb, g // 4, min(nb, KC.value)) if nb else klow
+    klow = plane(kv.k_low, g // 4 * d)
+    vlow = plane(kv.v_low, d // 4 * g)
+    khigh = plane(kv.k_high, g // 4 * nb) if nb else klow
     return (klow, khigh, vector(kv.k_ch, nb, 8) if nb else klow, vector(kv.k_scale, d, 16),
-            vector(kv.k_zero, d, 16), vlow, plane(kv.v_high, g, d // 4, g // 4) if kv.v_bits == 4 else vlow,
+            vector(kv.k_zero, d, 16), vlow, plane(kv.v_high, d // 4 * g) if kv.v_bits == 4 else vlow,
             vector(kv.v_scale, g, 16), vector(kv.v_zero, g, 16))
 
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .layout import PagedKV
+from .layout import PagedKV, key_offsets, value_offsets
 
 # Tokens of a program. 64 and 128 (fewer partials to write and merge at large batch, more latency a program) were
 # slower or no faster at all six Qwen3-8B shapes (BENCHMARKS.md section 1, session 13): 32 stays, without an option.
@@ -115,7 +115,7 @@ def _rest_kernel(
     if (j >= n_sink) & (slot < nkp):
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         shift = 2 * quarter[:, None]
-        low = tl.load(klow_ptr + kpage * (G4 * D) + row[:, None] * D + d[None, :],
+        low = tl.load(klow_ptr + kpage * (G4 * D) + key_offsets(row, d, G4, D),
                       mask=(tok < G)[:, None] & dmask[None, :], other=0)
         scale = tl.load(kscale_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
@@ -126,7 +126,7 @@ def _rest_kernel(
             ch = tl.load(kch_ptr + kpage * NB + r, mask=rmask, other=0).to(tl.int32)
             ch_scale = tl.load(kscale_ptr + kpage * D + ch, mask=rmask, other=0.0).to(tl.float32)
             q_ch = tl.load(q_rows + ch[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-            high = tl.load(khigh_ptr + kpage * (G4 * NB) + row[:, None] * NB + r[None, :],
+            high = tl.load(khigh_ptr + kpage * (G4 * NB) + key_offsets(row, r, G4, NB),
                            mask=(tok < G)[:, None] & rmask[None, :], other=0)
             high = ((high.to(tl.int32) >> shift) & 3).to(tl.float32)                     # (tokens, boosted)
             boost = tl.dot((q_ch * qk_scale * (4.0 * ch_scale)[None, :]).to(DOT), tl.trans(high.to(DOT)),
@@ -139,7 +139,7 @@ def _rest_kernel(
     if (j >= n_sink) & (slot < nvp):
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
         tmask = (tok < G)[:, None] & dmask[None, :]
-        offs = vpage * (D4 * G) + (d % D4)[None, :] * G + tok[:, None]          # byte of channel d: d % D4
+        offs = vpage * (D4 * G) + value_offsets((d % D4)[None, :], tok[:, None], G, D4)  # channel d's byte: d % D4
         shift = 2 * (d // D4)[None, :]                                          # ... at bits 2 * (d // D4)
         code = (tl.load(vlow_ptr + offs, mask=tmask, other=0).to(tl.int32) >> shift) & 3
         if V_BITS == 4:

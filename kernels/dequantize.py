@@ -10,16 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import unpack_quarters
+from .layout import key_offsets, key_rows, unpack_quarters, value_offsets, value_rows
 
 
 # ---------------------------------------------------------------------------------------------- references
 def key_codes_ref(low: torch.Tensor, high: torch.Tensor, ch: torch.Tensor) -> torch.Tensor:
     """(N, H, G, D) integer codes of key pages: low | high << 2, high only in the boosted channels ch."""
-    code = unpack_quarters(low, dim=2)
+    code = unpack_quarters(key_rows(low), dim=2)
     if ch.shape[-1]:
         cols = ch.long().unsqueeze(2).expand(-1, -1, code.shape[2], -1)         # (N, H, G, NB)
-        code = code.scatter(3, cols, code.gather(3, cols) | unpack_quarters(high, dim=2) << 2)
+        code = code.scatter(3, cols, code.gather(3, cols) | unpack_quarters(key_rows(high), dim=2) << 2)
     return code
 
 
@@ -29,11 +29,18 @@ def dequantize_keys_ref(low, high, ch, scale, zero, dtype=torch.float16) -> torc
     return (code * scale.float().unsqueeze(2) + zero.float().unsqueeze(2)).to(dtype)
 
 
-def dequantize_values_ref(low, high, scale, zero, dtype=torch.float16) -> torch.Tensor:
-    """Value pages (N, H, D/4, G) planes -> (N, H, G, D) in `dtype`; `high` has 0 rows for 2-bit values."""
-    code = unpack_quarters(low, dim=2)                                          # (N, H, D, G)
+def value_codes_ref(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """(N, H, D, G) integer codes of value pages (planes (N, H, 4, D/4, G/4); `high` has no quarters for 2-bit
+    values)."""
+    code = unpack_quarters(value_rows(low), dim=2)
     if high.shape[2]:
-        code = code | unpack_quarters(high, dim=2) << 2
+        code = code | unpack_quarters(value_rows(high), dim=2) << 2
+    return code
+
+
+def dequantize_values_ref(low, high, scale, zero, dtype=torch.float16) -> torch.Tensor:
+    """Value pages (N, H, 4, D/4, G/4) planes -> (N, H, G, D) in `dtype`; `high` has no quarters for 2-bit values."""
+    code = value_codes_ref(low, high)                                           # (N, H, D, G)
     v = code.transpose(2, 3).float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return v.to(dtype)
 
@@ -71,7 +78,7 @@ def _key_pages_into_kernel(low_ptr, high_ptr, ch_ptr, scale_ptr, zero_ptr, ids_p
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     mask = (j < G4)[:, None] & dmask[None, :]
-    low = tl.load(low_ptr + page * G4 * D + j[:, None] * D + d[None, :], mask=mask, other=0).to(tl.int32)
+    low = tl.load(low_ptr + page * G4 * D + key_offsets(j, d, G4, D), mask=mask, other=0).to(tl.int32)
     high = tl.zeros((BLOCK_G4, BLOCK_D), tl.int32)
     if NB > 0:
         # each channel's row in the high plane (boosted channels only), so both planes combine in one tile
@@ -80,7 +87,7 @@ def _key_pages_into_kernel(low_ptr, high_ptr, ch_ptr, scale_ptr, zero_ptr, ids_p
         hit = ch[None, :] == d[:, None]                                        # (channel, row)
         row = tl.sum(tl.where(hit, r[None, :], 0), axis=1)
         boosted = tl.sum(hit.to(tl.int32), axis=1) > 0
-        high = tl.load(high_ptr + page * G4 * NB + j[:, None] * NB + row[None, :],
+        high = tl.load(high_ptr + page * G4 * NB + key_offsets(j, row, G4, NB),
                        mask=(j < G4)[:, None] & boosted[None, :], other=0).to(tl.int32)
     scale = tl.load(scale_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     zero = tl.load(zero_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
@@ -106,7 +113,7 @@ def _value_pages_into_kernel(low_ptr, high_ptr, scale_ptr, zero_ptr, ids_ptr, se
     c = tl.arange(0, BLOCK_D4)
     tmask = t < G
     mask = tmask[:, None] & (c < D4)[None, :]
-    offs = page * D4 * G + c[None, :] * G + t[:, None]
+    offs = page * D4 * G + value_offsets(c[None, :], t[:, None], G, D4)
     low = tl.load(low_ptr + offs, mask=mask, other=0).to(tl.int32)
     if BITS == 4:
         high = tl.load(high_ptr + offs, mask=mask, other=0).to(tl.int32)
@@ -130,14 +137,16 @@ def dequantize_pages_into(out: torch.Tensor, kind: str, pool: dict, ids: torch.T
         return
     strides = (out.stride(0), out.stride(1), out.stride(2))
     if kind == "key":
-        _, _, g4, d = pool["low"].shape
+        _, _, chunks, g4, c = pool["low"].shape
+        d = chunks * c
         nb = pool["ch"].shape[-1]
         _key_pages_into_kernel[(n, heads)](*(pool[name] for name in KEY_PLANES), ids, seqs, starts, out, *strides,
                                            H=heads, G=4 * g4, D=d, NB=nb, BLOCK_D=triton.next_power_of_2(d),
                                            BLOCK_G4=triton.next_power_of_2(g4),
                                            BLOCK_NB=triton.next_power_of_2(max(nb, 1)), num_warps=4)
     else:
-        _, _, d4, g = pool["low"].shape
+        _, _, _, d4, g4 = pool["low"].shape
+        g = 4 * g4
         _value_pages_into_kernel[(n, heads)](*(pool[name] for name in VALUE_PLANES), ids, seqs, starts, out,
                                              *strides, H=heads, G=g, D=4 * d4,
                                              BITS=4 if pool["high"].shape[2] else 2, BLOCK_G=triton.next_power_of_2(g),

@@ -17,7 +17,7 @@ import math
 import torch
 
 from .decode_attention import gather_kv
-from .dequantize import key_codes_ref, unpack_quarters
+from .dequantize import key_codes_ref, value_codes_ref
 from .layout import PagedKV
 
 Q_SCALE = 1.0 / 16              # decode_gluon.Q_SCALE
@@ -72,10 +72,7 @@ def _page_scores(qb: torch.Tensor, kv: PagedKV, pages: torch.Tensor, scale: floa
 def _page_values(s: torch.Tensor, kv: PagedKV, pages: torch.Tensor, values: bool):
     """(output, max, sum) of value pages `pages` (n,) with scores s (n, H, group, G), each page's probabilities
     taken against the running maximum after it (the kernel's online softmax)."""
-    code = unpack_quarters(kv.v_low[pages], dim=2)                                  # (n, H, D, G)
-    if kv.v_high.shape[2]:
-        code = code | unpack_quarters(kv.v_high[pages], dim=2) << 2
-    code = code.float()
+    code = value_codes_ref(kv.v_low[pages], kv.v_high[pages]).float()              # (n, H, D, G)
     v_scale, v_zero = kv.v_scale[pages].float()[:, :, None], kv.v_zero[pages].float()[:, :, None]   # (n, H, 1, G)
     page_max = s.amax(-1)                                                          # (n, H, group)
     m = page_max.cummax(0).values

@@ -1,28 +1,36 @@
 """Page layout and bit accounting, shared by the kernels, their references and the cache.
 
 Key page (one per G tokens, all KV heads of one sequence), dense-sparse decomposition of the paper (Sec. 4.1):
-    low   (H, G/4, D)   uint8  low 2 bits of every channel: byte [j, d] holds channel d of tokens j + i*G/4 at
-                               bits 2i (i = 0..3, "token quarters")
-    high  (H, G/4, NB)  uint8  the same for the high 2 bits of the NB boosted channels only (NB = D for 4-bit
-                               keys, 0 for KIVI-K2)
-    ch    (H, NB)       uint8  the boosted channels, ascending: row r of `high` is channel ch[r]
+    low   (H, D/C, G/4, C)    uint8  low 2 bits of every channel: byte [c, j, i] holds channel c*C + i of tokens
+                                     j + q*G/4 at bits 2q (q = 0..3, "token quarters"); C = key_chunk(D) = 32
+    high  (H, NB/C', G/4, C') uint8  the same for the high 2 bits of the NB boosted channels only (NB = D for
+                                     4-bit keys, 0 for KIVI-K2), C' = key_chunk(NB): 32, or 16 for 16 channels
+    ch    (H, NB)             uint8  the boosted channels, ascending: column r of `high` is channel ch[r]
     scale (H, D) fp16, zero (H, D) fp16: asymmetric min-max per channel; k = (low | high << 2) * scale + zero
 Value page (per-token quantization, KIVI style):
-    low   (H, D/4, G)   uint8  low 2 bits of every channel: byte [c, t] holds token t's channels c + i*D/4 at
-                               bits 2i ("channel quarters")
-    high  (H, D/4, G)   uint8  high 2 bits, only for 4-bit values (0 rows for 2-bit values)
+    low   (H, 4, D/4, G/4)    uint8  low 2 bits of every channel: byte [q, c, t] holds token q*G/4 + t's channels
+                                     c + i*D/4 at bits 2i ("channel quarters")
+    high  (H, 4, D/4, G/4)    uint8  high 2 bits, only for 4-bit values (an empty plane, (H, 0, D/4, G/4), for 2-bit)
     scale (H, G) fp16, zero (H, G) fp16: per token
 
 Why this order: the decode kernel contracts keys over channels and values over tokens, so each plane keeps its
 contracted dimension contiguous (a matrix-unit operand is then one 32-bit word of 4 consecutive elements, read
 straight from shared memory with ldmatrix), and the four 2-bit fields of a byte are four contiguous quarters of
 the other dimension (each quarter is a dense operand of its own: no register re-layout after unpacking).
+Each plane is stored chunk by chunk (a key plane's rows of C channels, a value plane's token quarters), the order
+in which the Gluon kernel computes it and keeps it in shared memory: so a page's plane is one contiguous run that
+one TMA box of whole 128-byte rows copies as it is. TMA boxes of the 32-byte rows of one chunk, which the
+row-major planes before needed, capped the kernel's copies at 3,954 GB/s at batch 64 / 32K, where boxes of
+128-byte rows reached 4,326 (H200, `python -m backend.bench tune --vary loads`, BENCHMARKS.md section 1,
+session 22). key_rows / value_rows give the planes row by row, as the references read them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 SCALE_DTYPE = torch.float16
 FP_DTYPE = torch.float16        # full-precision parts (sink, buffers, value window) are stored at 16 bits
@@ -38,6 +46,69 @@ def value_page_bytes(heads: int, head_dim: int, page_size: int, bits: int) -> in
     """Bytes of one value page (all heads): one bit plane per 2 bits and FP16 scale/zero per token."""
     planes = (bits // 2) * page_size * head_dim // 4
     return heads * (planes + 2 * 2 * page_size)
+
+
+KEY_CHUNK = 32                  # channels of a key plane's chunk (the Gluon kernel's KC)
+_KEY_CHUNK = tl.constexpr(KEY_CHUNK)
+
+
+def key_chunk(columns: int) -> int:
+    """Columns of a chunk of a key plane `columns` wide: KEY_CHUNK where chunks of it tile the plane, else the
+    whole plane (16 boosted channels, or 48 of head_dim 192)."""
+    return KEY_CHUNK if columns % KEY_CHUNK == 0 else columns
+
+
+def key_plane_shape(heads: int, page_size: int, columns: int) -> tuple[int, int, int, int]:
+    """A key page's plane of `columns` channels (D, or NB boosted), all heads: (H, chunks, G/4, chunk)."""
+    c = key_chunk(columns)
+    return heads, columns // c, page_size // 4, c
+
+
+def value_plane_shape(heads: int, head_dim: int, page_size: int, present: bool = True) -> tuple[int, int, int, int]:
+    """A value page's plane, all heads: (H, 4 token quarters, D/4, G/4); no quarters for a plane the page lacks."""
+    return heads, 4 if present else 0, head_dim // 4, page_size // 4
+
+
+def key_rows(plane: torch.Tensor) -> torch.Tensor:
+    """(..., chunks, G/4, C) stored key plane -> (..., G/4, chunks * C) bytes, row j holding its channels in order."""
+    *lead, n, r, c = plane.shape
+    return plane.transpose(-3, -2).reshape(*lead, r, n * c)
+
+
+def key_chunks(rows: torch.Tensor) -> torch.Tensor:
+    """Inverse of key_rows: (..., G/4, K) -> the stored (..., K/C, G/4, C), C = key_chunk(K)."""
+    *lead, r, k = rows.shape
+    c = key_chunk(k)
+    return rows.reshape(*lead, r, k // c, c).transpose(-3, -2).contiguous()
+
+
+def value_rows(plane: torch.Tensor) -> torch.Tensor:
+    """(..., 4, D/4, G/4) stored value plane -> (..., D/4, G) bytes, tokens in order (a plane without quarters
+    gives (..., D/4, 0))."""
+    *lead, n, c, t = plane.shape
+    return plane.permute(*range(len(lead)), -2, -3, -1).reshape(*lead, c, n * t)
+
+
+def value_chunks(rows: torch.Tensor) -> torch.Tensor:
+    """Inverse of value_rows: (..., D/4, G) -> the stored (..., 4, D/4, G/4)."""
+    *lead, c, g = rows.shape
+    return rows.reshape(*lead, c, 4, g // 4).transpose(-3, -2).contiguous()
+
+
+@triton.jit
+def key_offsets(j, d, G4: tl.constexpr, K: tl.constexpr):
+    """Offsets in a key plane K columns wide (layout.py: chunk by chunk) of rows j (a column vector's worth) and
+    columns d: a (rows, columns) tile."""
+    C: tl.constexpr = _KEY_CHUNK if tl.constexpr(K) % _KEY_CHUNK == 0 else K     # key_chunk
+    return (d // C)[None, :] * (G4 * C) + j[:, None] * C + (d % C)[None, :]
+
+
+@triton.jit
+def value_offsets(c, t, G: tl.constexpr, D4: tl.constexpr):
+    """Offsets in a value plane (layout.py: token quarter by token quarter) of channel bytes c and tokens t
+    (broadcast against each other)."""
+    G4: tl.constexpr = G // 4
+    return (t // G4) * (D4 * G4) + c * G4 + t % G4
 
 
 def pack_quarters(codes: torch.Tensor, dim: int) -> torch.Tensor:
@@ -75,13 +146,13 @@ class PagedKV:
 
     k_fp: torch.Tensor          # (B, H, CK, D) 16-bit
     v_fp: torch.Tensor          # (B, H, CV, D)
-    k_low: torch.Tensor         # (P, H, G/4, D) uint8
-    k_high: torch.Tensor        # (P, H, G/4, NB) uint8
+    k_low: torch.Tensor         # (P, H, D/32, G/4, 32) uint8 (key_plane_shape)
+    k_high: torch.Tensor        # (P, H, NB/C', G/4, C') uint8
     k_ch: torch.Tensor          # (P, H, NB) uint8
     k_scale: torch.Tensor       # (P, H, D) fp16
     k_zero: torch.Tensor        # (P, H, D) fp16
-    v_low: torch.Tensor         # (P', H, D/4, G) uint8
-    v_high: torch.Tensor        # (P', H, D/4 or 0, G) uint8
+    v_low: torch.Tensor         # (P', H, 4, D/4, G/4) uint8 (value_plane_shape)
+    v_high: torch.Tensor        # (P', H, 4 or 0, D/4, G/4) uint8
     v_scale: torch.Tensor       # (P', H, G) fp16
     v_zero: torch.Tensor        # (P', H, G) fp16
     k_table: torch.Tensor       # (B, MP) int32 page ids

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import SCALE_DTYPE, boost_mask, pack_quarters
+from .layout import (SCALE_DTYPE, boost_mask, key_chunks, key_offsets, key_plane_shape, pack_quarters,
+                     value_chunks, value_offsets, value_plane_shape)
 
 
 # ---------------------------------------------------------------------------------------------- boost choice
@@ -65,11 +66,13 @@ def _codes(x32: torch.Tensor, dim: int, levels: torch.Tensor):
 
 
 def quantize_keys_ref(x: torch.Tensor, ch: torch.Tensor, n_boost: int):
-    """x (N, H, G, D), ch (N, H, NB) -> low (N, H, G/4, D), high (N, H, G/4, NB), scale, zero (N, H, D)."""
+    """x (N, H, G, D), ch (N, H, NB) -> low (N, H, D/32, G/4, 32), high (N, H, NB/C', G/4, C') (layout.py: planes
+    chunk by chunk), scale, zero (N, H, D)."""
     levels = torch.where(boost_mask(ch, x.shape[3]), 15.0, 3.0).unsqueeze(2)      # (N, H, 1, D)
     code, scale, zero = _codes(x.float(), 2, levels)                             # per channel, over tokens
-    low = pack_quarters(code & 3, dim=2)
-    high = pack_quarters(code.gather(3, ch.long().unsqueeze(2).expand(-1, -1, x.shape[2], -1)) >> 2, dim=2)
+    low = key_chunks(pack_quarters(code & 3, dim=2))
+    high = key_chunks(pack_quarters(code.gather(3, ch.long().unsqueeze(2).expand(-1, -1, x.shape[2], -1)) >> 2,
+                                    dim=2))
     return low, high, scale, zero
 
 
@@ -83,14 +86,15 @@ def channel_error_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_values_ref(x: torch.Tensor, bits: int):
-    """x (N, H, G, D) -> low (N, H, D/4, G), high (N, H, D/4, G) or an empty plane for 2 bits, scale, zero (N, H, G)."""
+    """x (N, H, G, D) -> low (N, H, 4, D/4, G/4) (layout.py: token quarter by token quarter), high the same or an
+    empty plane (N, H, 0, D/4, G/4) for 2 bits, scale, zero (N, H, G)."""
     levels = torch.tensor(float(2 ** bits - 1), device=x.device)
     code, scale, zero = _codes(x.float(), -1, levels)                           # per token, over channels
-    low = pack_quarters(code & 3, dim=3).transpose(2, 3).contiguous()
+    low = value_chunks(pack_quarters(code & 3, dim=3).transpose(2, 3))
     if bits == 4:
-        high = pack_quarters(code >> 2, dim=3).transpose(2, 3).contiguous()
+        high = value_chunks(pack_quarters(code >> 2, dim=3).transpose(2, 3))
     else:
-        high = low.new_zeros((*low.shape[:2], 0, low.shape[3]))
+        high = low.new_zeros((x.shape[0], *value_plane_shape(x.shape[1], x.shape[3], x.shape[2], False)))
     return low, high, scale, zero
 
 
@@ -160,7 +164,7 @@ def _quantize_key_page(x_page, ch, boosted, low_page, high_page, scale_page, zer
     # boosted channels get 4-bit levels, also in the low plane (it holds their low 2 bits)
     c0, c1, c2, c3, scale, zero = _key_quarter_codes(x_page + j[:, None] * D + d[None, :], mask, G4, D,
                                                      tl.where(boosted, 15.0, 3.0))
-    tl.store(low_page + j[:, None] * D + d[None, :], _pack(c0, c1, c2, c3), mask=mask)
+    tl.store(low_page + key_offsets(j, d, G4, D), _pack(c0, c1, c2, c3), mask=mask)
     tl.store(scale_page + d, scale, mask=d < D)
     tl.store(zero_page + d, zero, mask=d < D)
     if NB > 0:
@@ -169,7 +173,7 @@ def _quantize_key_page(x_page, ch, boosted, low_page, high_page, scale_page, zer
         hmask = jmask[:, None] & (r < NB)[None, :]
         h0, h1, h2, h3, _, _ = _key_quarter_codes(x_page + j[:, None] * D + ch[None, :], hmask, G4, D,
                                                   tl.full((BLOCK_NB,), 15.0, tl.float32))
-        tl.store(high_page + j[:, None] * NB + r[None, :], _pack(h0 >> 2, h1 >> 2, h2 >> 2, h3 >> 2), mask=hmask)
+        tl.store(high_page + key_offsets(j, r, G4, NB), _pack(h0 >> 2, h1 >> 2, h2 >> 2, h3 >> 2), mask=hmask)
 
 
 @triton.jit
@@ -212,7 +216,7 @@ def _quantize_value_page(x_page, low_page, high_page, scale_page, zero_page,
     c1 = _encode(x1, mask, s, z, levels)
     c2 = _encode(x2, mask, s, z, levels)
     c3 = _encode(x3, mask, s, z, levels)
-    offs = c[None, :] * G + t[:, None]                               # stored (channel byte, token): tokens contiguous
+    offs = value_offsets(c[None, :], t[:, None], G, D4)             # (channel byte, token), by token quarter
     tl.store(low_page + offs, _pack(c0, c1, c2, c3), mask=mask)
     if BITS == 4:
         tl.store(high_page + offs, _pack(c0 >> 2, c1 >> 2, c2 >> 2, c3 >> 2), mask=mask)
@@ -259,8 +263,8 @@ def quantize_keys(x: torch.Tensor, ch: torch.Tensor, n_boost: int):
     """Triton launch of quantize_keys_ref (same arguments, same results bit for bit)."""
     n, h, g, d = x.shape
     x = x.contiguous()
-    low = torch.empty((n, h, g // 4, d), dtype=torch.uint8, device=x.device)
-    high = torch.empty((n, h, g // 4, n_boost), dtype=torch.uint8, device=x.device)
+    low = torch.empty((n, *key_plane_shape(h, g, d)), dtype=torch.uint8, device=x.device)
+    high = torch.empty((n, *key_plane_shape(h, g, n_boost)), dtype=torch.uint8, device=x.device)
     scale = torch.empty((n, h, d), dtype=SCALE_DTYPE, device=x.device)
     zero = torch.empty_like(scale)
     if n * h:
@@ -274,8 +278,8 @@ def quantize_values(x: torch.Tensor, bits: int):
     """Triton launch of quantize_values_ref (same arguments, same results bit for bit)."""
     n, h, g, d = x.shape
     x = x.contiguous()
-    low = torch.empty((n, h, d // 4, g), dtype=torch.uint8, device=x.device)
-    high = torch.empty((n, h, d // 4 if bits == 4 else 0, g), dtype=torch.uint8, device=x.device)
+    low = torch.empty((n, *value_plane_shape(h, d, g)), dtype=torch.uint8, device=x.device)
+    high = torch.empty((n, *value_plane_shape(h, d, g, bits == 4)), dtype=torch.uint8, device=x.device)
     scale = torch.empty((n, h, g), dtype=SCALE_DTYPE, device=x.device)
     zero = torch.empty_like(scale)
     if n * h:

@@ -36,7 +36,7 @@ TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype):
     """A one-sequence cache of the method's layout (contents do not matter for compiling)."""
     from backend.methods import method_config
-    from kernels.layout import SCALE_DTYPE, PagedKV
+    from kernels.layout import SCALE_DTYPE, PagedKV, key_plane_shape, value_plane_shape
     cfg = method_config(method)
     s, g, h, d = cfg.sink, cfg.page_size, heads, head_dim
     nb = cfg.boosted_channels(d)
@@ -44,8 +44,9 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
     f16 = lambda *shape: torch.zeros(shape, dtype=SCALE_DTYPE)  # noqa: E731
     i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32)  # noqa: E731
     return PagedKV(torch.zeros(1, h, s + g, d, dtype=dtype), torch.zeros(1, h, s + 2 * g, d, dtype=dtype),
-                   u8(1, h, g // 4, d), u8(1, h, g // 4, nb), u8(1, h, nb), f16(1, h, d), f16(1, h, d),
-                   u8(1, h, d // 4, g), u8(1, h, d // 4 if cfg.v_bits == 4 else 0, g), f16(1, h, g), f16(1, h, g),
+                   u8(1, *key_plane_shape(h, g, d)), u8(1, *key_plane_shape(h, g, nb)), u8(1, h, nb), f16(1, h, d),
+                   f16(1, h, d), u8(1, *value_plane_shape(h, d, g)), u8(1, *value_plane_shape(h, d, g, cfg.v_bits == 4)),
+                   f16(1, h, g), f16(1, h, g),
                    i32(1, 1), i32(1, 1), i32(1), i32(1), i32(1), s, g, nb, cfg.v_bits)
 
 
@@ -87,19 +88,17 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
-                         pdl: bool = False, i8: int = 0, compute: bool = True, wide: bool = False):
+                         pdl: bool = False, i8: int = 0, compute: bool = True):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
-    example cache as compile_split_kernel (compute=False: its copies alone, with wide boxes or not: bench tune --vary
-    loads)."""
+    example cache as compile_split_kernel (compute=False: its copies alone, bench tune --vary loads)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments, tma_descriptors
+    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    descriptors = tma_descriptors(kv, head_dim, wide) if use_tma else None
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, descriptors, i8=i8)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8)
     return _compile(GluonASTSource, _gluon_paged_kernel, args, {**constants, "PDL": pdl, "COMPUTE": compute}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layout import PagedKV
+from kernels.layout import PagedKV, key_plane_shape, value_plane_shape
 from kernels.quantize import choose_boost, quantize_keys_ref, quantize_values_ref
 
 
@@ -32,13 +32,14 @@ def random_paged_kv(lengths, heads=2, head_dim=64, sink=32, page_size=64, window
     k_ids = torch.randperm(total_k, generator=gen)
     v_ids = torch.randperm(total_v, generator=gen)
     nb = d if k_bits == 4 else (n_boost if k_bits == 2 else 0)
-    k_low = torch.randint(0, 256, (total_k, h, g // 4, d), generator=gen, dtype=torch.uint8)
-    k_high = torch.randint(0, 256, (total_k, h, g // 4, nb), generator=gen, dtype=torch.uint8)
+    k_low = torch.randint(0, 256, (total_k, *key_plane_shape(h, g, d)), generator=gen, dtype=torch.uint8)
+    k_high = torch.randint(0, 256, (total_k, *key_plane_shape(h, g, nb)), generator=gen, dtype=torch.uint8)
     k_ch = torch.randint(0, 256, (total_k, h, nb), generator=gen, dtype=torch.uint8)   # junk in unused pages
     k_scale = torch.rand(total_k, h, d, generator=gen).half()
     k_zero = torch.rand(total_k, h, d, generator=gen).half()
-    v_low = torch.randint(0, 256, (total_v, h, d // 4, g), generator=gen, dtype=torch.uint8)
-    v_high = torch.randint(0, 256, (total_v, h, d // 4 if v_bits == 4 else 0, g), generator=gen, dtype=torch.uint8)
+    v_low = torch.randint(0, 256, (total_v, *value_plane_shape(h, d, g)), generator=gen, dtype=torch.uint8)
+    v_high = torch.randint(0, 256, (total_v, *value_plane_shape(h, d, g, v_bits == 4)), generator=gen,
+                           dtype=torch.uint8)
     v_scale = torch.rand(total_v, h, g, generator=gen).half()
     v_zero = torch.rand(total_v, h, g, generator=gen).half()
     # tables of different widths (as the cache grows them independently), padded with -1

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from backend import make_cache, method_config
 from backend.cache import KittyLayer
 from kernels.flush import flush_key_pages, flush_value_pages
-from kernels.layout import SCALE_DTYPE
+from kernels.layout import SCALE_DTYPE, key_plane_shape, value_plane_shape
 from kernels.quantize import choose_boost, quantize_keys_ref, quantize_values_ref
 
 KEY_FIELDS = ("low", "high", "ch", "scale", "zero", "magnitude")
@@ -49,7 +49,8 @@ def test_fused_key_flush_equals_the_references(dim, n_boost, move, dtype):
     sink, g, heads = 4, 16, 2
     fp = _buffers(3, heads, sink + g + move, dim, dtype, seed=dim + n_boost)
     before = fp.clone()
-    pool = _empty_pool(5, {"low": ((heads, g // 4, dim), torch.uint8), "high": ((heads, g // 4, n_boost), torch.uint8),
+    pool = _empty_pool(5, {"low": (key_plane_shape(heads, g, dim), torch.uint8),
+                           "high": (key_plane_shape(heads, g, n_boost), torch.uint8),
                            "ch": ((heads, n_boost), torch.uint8), "scale": ((heads, dim), SCALE_DTYPE),
                            "zero": ((heads, dim), SCALE_DTYPE), "magnitude": ((heads, dim), SCALE_DTYPE)})
     table, counts = torch.full((3, 4), -1, dtype=torch.int32, device=DEVICE), _indices([0, 1, 2])[0].int()
@@ -75,8 +76,8 @@ def test_fused_value_flush_equals_the_references(dim, bits, move):
     sink, g, heads = 4, 16, 2
     fp = _buffers(3, heads, sink + g + move, dim, torch.float16, seed=dim + bits)
     before = fp.clone()
-    pool = _empty_pool(4, {"low": ((heads, dim // 4, g), torch.uint8),
-                           "high": ((heads, dim // 4 if bits == 4 else 0, g), torch.uint8),
+    pool = _empty_pool(4, {"low": (value_plane_shape(heads, dim, g), torch.uint8),
+                           "high": (value_plane_shape(heads, dim, g, bits == 4), torch.uint8),
                            "scale": ((heads, g), SCALE_DTYPE), "zero": ((heads, g), SCALE_DTYPE)})
     table, counts = torch.full((3, 2), -1, dtype=torch.int32, device=DEVICE), torch.zeros(3, dtype=torch.int32,
                                                                                          device=DEVICE)

@@ -85,8 +85,8 @@ def pages_into_both(kind: str, pool: dict, dtype) -> tuple[torch.Tensor, torch.T
     """Pool pages written into two ragged sequences' rows by the Triton kernel and by the reference: pages out of
     order, at odd starts, one sequence with two pages; (kernel's out, reference's out, the pages' token starts)."""
     n, heads = pool["low"].shape[:2]
-    g = pool["scale"].shape[-1] if kind == "value" else 4 * pool["low"].shape[2]
-    d = pool["scale"].shape[-1] if kind == "key" else 4 * pool["low"].shape[2]
+    g = pool["scale"].shape[-1] if kind == "value" else 4 * pool["low"].shape[3]        # (n, H, chunks, G/4, C)
+    d = pool["scale"].shape[-1] if kind == "key" else 4 * pool["low"].shape[3]          # (n, H, 4, D/4, G/4)
     ids = torch.tensor([n - 1, 0, n - 2], dtype=torch.int32, device=DEVICE)
     seqs = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([3, 1, 3 + g], dtype=torch.int32, device=DEVICE)
@@ -435,25 +435,23 @@ def test_i8_kernels_compile_for_hopper_with_integer_products():
 
 def test_the_copies_only_kernel_keeps_the_kernels_memory_pipeline():
     """Without a GPU: the paged kernel with COMPUTE=False (bench tune --vary loads, the memory pipeline's ceiling)
-    issues the same TMA copies and mbarrier waits a page as the kernel it measures, and no products; with wide
-    plane descriptors, as many copies, each plane's a 2-D box of whole rows."""
+    issues the same TMA copies (2-D boxes: a plane's whole rows, layout.py) and mbarrier waits a page as the kernel
+    it measures, and no products."""
     code = textwrap.dedent("""
         import torch
         from kernels.sass_profile import compile_gluon_kernel, profile
-        for compute, wide in ((True, False), (False, False), (False, True)):
-            compiled = compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, compute=compute,
-                                            wide=wide)
+        for compute in (True, False):
+            compiled = compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, compute=compute)
             ptx = compiled.asm["ptx"]
-            print(compute, ptx.count("cp.async.bulk.tensor"), ptx.count("mbarrier.try_wait"),
+            print(compute, ptx.count("cp.async.bulk.tensor.2d"), ptx.count("mbarrier.try_wait"),
                   profile(compiled)["loop matrix"], ptx.count("cp.async.bulk.tensor.3d"))
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
-    full, copies, wide = ([int(x) for x in line.split()[1:]] for line in run.stdout.splitlines())
-    assert copies[:2] == wide[:2] == full[:2] and full[0] > 0 and full[1] > 0, run.stdout
-    assert copies[2] == wide[2] == 0 < full[2], run.stdout
-    assert wide[3] == 0 < copies[3] == full[3], run.stdout
+    full, copies = ([int(x) for x in line.split()[1:]] for line in run.stdout.splitlines())
+    assert copies[:2] == full[:2] and full[0] > 0 and full[1] > 0, run.stdout
+    assert copies[2] == 0 < full[2] and copies[3] == full[3] == 0, run.stdout
 
 
 def test_pdl_compiles_into_the_kernels_for_hopper():
