@@ -16,7 +16,8 @@ instructions per page). Here the layouts are explicit (Gluon), and the page layo
   all 4 channel quarters), so that one chunk's codes are live at once.
 - Pages arrive by cp.async (by TMA on Hopper: kernel="gluon-tma") into one shared-memory buffer per kind, each
   refilled with the next slot's page as soon as this slot has read it: a page's load latency is spent on half a
-  page of arithmetic.
+  page of arithmetic. The pool stores each plane chunk by chunk, as the buffers hold it (layout.py), so a plane
+  arrives as one contiguous run: one TMA box of 128-byte rows.
 - The operands' scaling is fp16 arithmetic, two elements an instruction (queries times scales, probabilities times
   scales), and the sums that need no per-element weights are products with a first operand of ones: the keys'
   zero term sum_d q_d * zero_d, the probabilities' sum and their sum times the values' zeros.
