@@ -499,7 +499,7 @@ def prefill_bytes_per_sequence(method: str, model, prompt: int, chunk: int | Non
     return need
 
 
-def make_peer_cache(method, model, batch, max_len, flush_spread=1, flush="auto"):
+def make_peer_cache(method, model, batch, max_len, flush_spread=1, flush="auto", decode_kernel="auto"):
     from transformers.cache_utils import DynamicCache, QuantizedCache, StaticCache
 
     from backend import make_cache
@@ -510,7 +510,7 @@ def make_peer_cache(method, model, batch, max_len, flush_spread=1, flush="auto")
     if method.startswith("hf-quanto"):
         return QuantizedCache(backend="quanto", config=model.config, nbits=int(method[-1]), residual_length=128)
     return make_cache(model, method, record_magnitudes=False, reserve_tokens=max_len, flush_spread=flush_spread,
-                      flush=flush)
+                      flush=flush, decode_kernel=decode_kernel)
 
 
 class StepClock:
@@ -570,17 +570,19 @@ def local_spikes(steps: np.ndarray, boundary: np.ndarray, neighbours: int = NEIG
 
 
 def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
-                 flush="auto", cache_tokens=None, cached=0):
+                 flush="auto", cache_tokens=None, cached=0, decode_kernel="auto"):
     """One timed model.generate; cuda_graphs: replay decode steps as CUDA graphs (backend.graphs) where the cache
     allows it (Kitty caches with both sides quantized, on a GPU); flush: how Kitty caches make pages (make_cache);
     cache_tokens: the tokens the cache is made for (default cached + prompt + new_tokens); cached: tokens put into
     the cache first, untimed, by forwards of `prompt` tokens, so that the timed generate's prompt and decode steps
-    come after them (a later context of a long generation: sampled_generate)."""
+    come after them (a later context of a long generation: sampled_generate); decode_kernel: a Kitty cache's
+    (make_cache)."""
     from transformers import StoppingCriteriaList
     device = model.device
     ids = torch.randint(100, model.config.vocab_size, (batch, cached + prompt), device=device,
                         generator=torch.Generator(device=device).manual_seed(1))
-    cache = make_peer_cache(method, model, batch, cache_tokens or cached + prompt + new_tokens, flush_spread, flush)
+    cache = make_peer_cache(method, model, batch, cache_tokens or cached + prompt + new_tokens, flush_spread, flush,
+                            decode_kernel)
     with torch.no_grad():
         for first in range(0, cached, prompt):
             model(input_ids=ids[:, first:min(first + prompt, cached)], past_key_values=cache, use_cache=True,
@@ -600,8 +602,8 @@ def run_generate(model, method, batch, prompt, new_tokens, flush_spread=1, prefi
     steps = np.diff(np.array(clock.stamps)) * 1e3                  # decode step latencies, ms
     ttft = clock.stamps[0] - start
     quantized = not method.startswith("hf-") and method != "fp16"
-    row = dict(method=method, batch=batch, prompt=prompt, prefill_chunk=prefill_chunk, new_tokens=new_tokens,
-               seconds=total, tokens_per_s=batch * new_tokens / total,
+    row = dict(method=method, decode_kernel=decode_kernel, batch=batch, prompt=prompt, prefill_chunk=prefill_chunk,
+               new_tokens=new_tokens, seconds=total, tokens_per_s=batch * new_tokens / total,
                decode_tokens_per_s=batch * (new_tokens - 1) / steps.sum() * 1e3, ttft_ms=ttft * 1e3,
                p50_ms=float(np.median(steps)), p99_ms=float(np.percentile(steps, 99)), max_ms=float(steps.max()),
                # the slowest step after the first two, an eager one and, with CUDA graphs, the capture
@@ -651,7 +653,10 @@ def bench_generate(args) -> dict:
                    + ws_per_seq + requantize_bytes_per_sequence(method, model, prompt + new_tokens))
         return max(1, int((budget - ws_fixed) / per_seq))
 
-    for method in methods:
+    # each Kitty method with each --kernels decode kernel (its plan is the same: the kernel changes no memory)
+    runs = [(method, kernel) for method in methods
+            for kernel in (["auto"] if method.startswith("hf-") else args.kernels)]
+    for method, kernel in runs:
         # Kitty caches replay their decode steps as CUDA graphs on a GPU unless --eager; transformers' caches run
         # as generate runs them (eager, disable_compile)
         graphed = torch.cuda.is_available() and not args.eager and not method.startswith("hf-") \
@@ -665,7 +670,8 @@ def bench_generate(args) -> dict:
             if torch.cuda.is_available() and not args.batch:
                 batch = plan(method, spread)
         planned = batch
-        row = dict(method=method, batch=batch, prefill_chunk=args.prefill_chunk, error="out of memory")
+        row = dict(method=method, decode_kernel=kernel, batch=batch, prefill_chunk=args.prefill_chunk,
+                   error="out of memory")
         for attempt in range(4):                      # the layout's estimate, confirmed by really running it
             try:
                 if attempt == 0:                      # warm-up: kernel compilation stays out of the timings
@@ -675,12 +681,12 @@ def bench_generate(args) -> dict:
                     warm_tokens = method_config(method).page_size + 1 if torch.cuda.is_available() \
                         and not method.startswith("hf-") else 4
                     run_generate(model, method, 1, prompt, warm_tokens, spread, args.prefill_chunk,
-                                 cuda_graphs=graphed, flush=args.flush)
+                                 cuda_graphs=graphed, flush=args.flush, decode_kernel=kernel)
                 if args.sample_contexts:
-                    row = sampled_generate(model, method, batch, prompt, new_tokens, args, graphed, spread)
+                    row = sampled_generate(model, method, batch, prompt, new_tokens, args, graphed, spread, kernel)
                 else:
                     row = run_generate(model, method, batch, prompt, new_tokens, spread,
-                                       args.prefill_chunk, graphed, args.flush)
+                                       args.prefill_chunk, graphed, args.flush, decode_kernel=kernel)
                 # how true the plan was: the batch it predicted and how many smaller tries it took
                 row.update(planned_batch=planned, oom_retries=attempt)
                 break
@@ -689,7 +695,8 @@ def bench_generate(args) -> dict:
                 torch.cuda.empty_cache()
                 batch = int(batch * 0.9)
             except ImportError as exc:                # a peer whose package is missing (optimum-quanto)
-                row = dict(method=method, batch=batch, prefill_chunk=args.prefill_chunk, error=str(exc).split(".")[0])
+                row = dict(method=method, decode_kernel=kernel, batch=batch, prefill_chunk=args.prefill_chunk,
+                           error=str(exc).split(".")[0])
                 break
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -699,7 +706,8 @@ def bench_generate(args) -> dict:
             "model": "Qwen3-8B shape, random weights", "rows": rows, "env": environment()}
 
 
-def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed, flush_spread=1) -> dict:
+def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed, flush_spread=1,
+                     decode_kernel="auto") -> dict:
     """A generation too long to run whole (HF caches at 512 + 8,192 tokens need more than a 10-minute device
     call), estimated from measured pieces: `--sample-contexts N` runs of `--sample-steps` decode steps each, at N
     contexts from the prompt to the last token, the batch and the cache made for the whole generation (so memory
@@ -721,7 +729,8 @@ def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed, fl
             torch.cuda.set_per_process_memory_fraction(1.0)
         try:
             run = run_generate(model, method, batch, prompt, steps, flush_spread, args.prefill_chunk, graphed,
-                               args.flush, cache_tokens=prompt + new_tokens, cached=int(context) - prompt)
+                               args.flush, cache_tokens=prompt + new_tokens, cached=int(context) - prompt,
+                               decode_kernel=decode_kernel)
         finally:
             if lift:
                 torch.cuda.empty_cache()
@@ -733,8 +742,8 @@ def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed, fl
     decode_s = float(np.interp(np.arange(prompt, prompt + new_tokens - 1), contexts + (steps - 1) / 2,
                                medians).sum()) / 1e3
     ttft_s = samples[0]["ttft_ms"] / 1e3
-    return dict(method=method, batch=batch, prompt=prompt, prefill_chunk=args.prefill_chunk, new_tokens=new_tokens,
-                estimated=True, samples=samples, seconds=ttft_s + decode_s,
+    return dict(method=method, decode_kernel=decode_kernel, batch=batch, prompt=prompt,
+                prefill_chunk=args.prefill_chunk, new_tokens=new_tokens, estimated=True, samples=samples, seconds=ttft_s + decode_s,
                 tokens_per_s=batch * new_tokens / (ttft_s + decode_s),
                 decode_tokens_per_s=batch * (new_tokens - 1) / decode_s, ttft_ms=ttft_s * 1e3,
                 p50_ms=float(np.median(medians)),
@@ -966,7 +975,8 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         fig.update_layout(title=f"Teacher-forced KL from full precision over {result['tokens']} tokens, "
                                 f"{result['model']} (lower is better)", yaxis_title="nats / token", barmode="group")
     else:
-        fig.add_bar(x=[f"{r['method']} (B={r['batch']})" for r in rows], y=[r["tokens_per_s"] for r in rows])
+        fig.add_bar(x=[f"{r['method']}{'' if r.get('decode_kernel', 'auto') == 'auto' else '/' + r['decode_kernel']}"
+                       f" (B={r['batch']})" for r in rows], y=[r["tokens_per_s"] for r in rows])
         fig.update_layout(title=f"Generation under a {result['budget_gb']} GB budget: tokens/s at the largest batch",
                           yaxis_title="tokens / s")
     paths = [out.with_suffix(".html")]
@@ -997,9 +1007,9 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="*")
     parser.add_argument("--methods", nargs="*")
     parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=["auto"],
-                        help="attention, quality: decode kernels over the paged blocks, each measured (default: "
-                             "auto, the product's choice; gluon: GPU only, but the 8-bit kernels' arithmetic also "
-                             "runs on a CPU for quality)")
+                        help="attention, quality, generate: decode kernels over the paged blocks, each measured "
+                             "(default: auto, the product's choice; gluon: GPU only, but the 8-bit kernels' "
+                             "arithmetic also runs on a CPU for quality; generate: each Kitty method with each)")
     parser.add_argument("--pdl", choices=list(PDL_CHOICES), default="default",
                         help="attention: decode_attention's pdl (its three launches chained by programmatic dependent "
                              "launch): its default, off, on or both, each measured")

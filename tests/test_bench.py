@@ -141,9 +141,10 @@ def test_generate_warms_up_with_the_runs_page_settings(tmp_path, monkeypatch):
     calls, real = [], bench.run_generate
 
     def recorded(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
-                 flush="torch"):
+                 flush="torch", decode_kernel="auto"):
         calls.append((batch, flush_spread, prefill_chunk, flush))
-        return real(model, method, batch, prompt, new_tokens, flush_spread, prefill_chunk, cuda_graphs, flush)
+        return real(model, method, batch, prompt, new_tokens, flush_spread, prefill_chunk, cuda_graphs, flush,
+                    decode_kernel=decode_kernel)
 
     monkeypatch.setattr(bench, "run_generate", recorded)
     assert bench.main(["generate", "--quick", "--methods", "kitty-pro", "--batch", "3", "--flush-spread", "3",
@@ -184,7 +185,7 @@ def test_sampled_generation_integrates_the_measured_step_times(monkeypatch):
     calls = []
 
     def timed(model, method, batch, prompt, new_tokens, flush_spread=1, prefill_chunk=None, cuda_graphs=False,
-              flush="auto", cache_tokens=None, cached=0):
+              flush="auto", cache_tokens=None, cached=0, decode_kernel="auto"):
         calls.append((batch, prompt, new_tokens, cache_tokens, cached))
         context = cached + prompt                                                     # steps at context .. + 15
         return dict(p50_ms=2.0 + 0.01 * (context + 7.5), ttft_ms=500.0, prefill_peak_gb=None, decode_peak_gb=None)
@@ -197,6 +198,31 @@ def test_sampled_generation_integrates_the_measured_step_times(monkeypatch):
     assert row["estimated"] and row["decode_tokens_per_s"] == pytest.approx(8 * 8191 / decode_s, rel=1e-5)
     assert row["tokens_per_s"] == pytest.approx(8 * 8192 / (0.5 + decode_s), rel=1e-5)
     assert [x["context"] for x in row["samples"]] == [512, 2556, 4600, 6644, 8688]
+
+
+def test_bench_generate_runs_each_kitty_method_with_each_decode_kernel(tmp_path, monkeypatch):
+    """`generate --kernels auto gluon-tma-i8`: transformers' caches once, each Kitty method once per decode kernel,
+    its cache made with that kernel (on a CPU the 8-bit kernels' arithmetic, kernels/i8_reference.py), the row
+    naming it."""
+    import backend
+    from backend import bench
+    made = []
+
+    def recording(model, method, **options):
+        made.append((method, options["decode_kernel"]))
+        return real(model, method, **options)
+
+    real = backend.make_cache
+    monkeypatch.setattr(backend, "make_cache", recording)
+    out = tmp_path / "generate.json"
+    assert bench.main(["generate", "--quick", "--methods", "hf-dynamic", "kitty-pro", "--kernels", "auto",
+                       "gluon-tma-i8", "--batch", "2", "--prompt", "40", "--new-tokens", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["decode_kernel"]) for r in rows] == [("hf-dynamic", "auto"), ("kitty-pro", "auto"),
+                                                                  ("kitty-pro", "gluon-tma-i8")]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+    # a warm-up and the timed run each
+    assert made == [("kitty-pro", "auto")] * 2 + [("kitty-pro", "gluon-tma-i8")] * 2
 
 
 def test_bench_generate_sampled_runs_every_method(tmp_path):
