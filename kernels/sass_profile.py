@@ -206,7 +206,11 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
         if args.kernel.startswith("gluon"):
+            from backend.methods import method_config
             from kernels.decode_gluon import I8_PRODUCTS
+            if I8_PRODUCTS[args.kernel] and method_config(method).boosted_channels(128) not in (0, 32):
+                print(f"{method:>10}: {args.kernel} declines its boosted channels (decode_gluon.supports_kernel)")
+                continue
             compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
                                             use_tma=args.kernel != "gluon", i8=I8_PRODUCTS[args.kernel])
         elif args.kernel == "rest":

@@ -27,7 +27,8 @@ from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNRE
 from kernels.decode_rest import rest_blocks, rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
-from kernels.layout import boost_mask, pack_quarters, unpack_quarters
+from kernels.layout import (boost_mask, key_chunks, key_plane_shape, key_rows, pack_quarters, unpack_quarters,
+                            value_chunks, value_plane_shape, value_rows)
 from kernels.quantize import (channel_error, channel_error_ref, choose_boost, quantize_keys, quantize_keys_ref,
                               quantize_values, quantize_values_ref)
 
@@ -54,6 +55,23 @@ def test_pack_roundtrip():
     assert torch.equal(unpack_quarters(packed, dim=1), q)
     row = pack_quarters(torch.tensor([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]), dim=0)
     assert row.tolist() == [1 | 2 << 2 | 3 << 4, 0, 0, 0]         # element j + i*n/4 in byte j at bits 2i
+
+
+def test_planes_are_stored_chunk_by_chunk():
+    """layout.py's storage order, which the Gluon kernel copies into shared memory as it is: a key plane's byte [c, j,
+    i] is row j's channel 32c + i (a plane narrower than 32, or not a multiple of it, is one chunk), a value plane's
+    byte [q, c, t] is channel byte c of token q * G/4 + t; key_rows / value_rows undo it."""
+    rows = torch.randint(0, 256, (2, 3, 32, 128), dtype=torch.uint8)                   # (N, H, G/4, D)
+    stored = key_chunks(rows)
+    assert stored.shape == (2, 3, *key_plane_shape(3, 128, 128)[1:]) == (2, 3, 4, 32, 32)
+    assert stored[1, 2, 3, 5, 7] == rows[1, 2, 5, 3 * 32 + 7] and torch.equal(key_rows(stored), rows)
+    for narrow in (16, 48):
+        assert key_chunks(rows[..., :narrow]).shape == (2, 3, 1, 32, narrow) == (2, 3, *key_plane_shape(3, 128,
+                                                                                                       narrow)[1:])
+    values = torch.randint(0, 256, (2, 3, 32, 128), dtype=torch.uint8)                 # (N, H, D/4, G)
+    stored = value_chunks(values)
+    assert stored.shape == (2, 3, *value_plane_shape(3, 128, 128)[1:]) == (2, 3, 4, 32, 32)
+    assert stored[1, 2, 3, 5, 7] == values[1, 2, 5, 3 * 32 + 7] and torch.equal(value_rows(stored), values)
 
 
 @pytest.mark.parametrize("g,d", [(128, 64), (64, 128), (36, 64)])
