@@ -357,8 +357,8 @@ def bench_tune(args) -> dict:
                 print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}"
                                                             for k, v in setting.items())
                       + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
-                      f"{rows[-1]['gbs']:7.0f} GB/s (pages {rows[-1]['paged_gbs']:5.0f})" + "".join(f" | {name[:24]} {us:.1f}"
-                                                               for name, us in kernels.items()), flush=True)
+                      f"{rows[-1]['gbs']:7.0f} GB/s (pages {rows[-1]['paged_gbs']:5.0f})"
+                      + "".join(f" | {name[:24]} {us:.1f}" for name, us in kernels.items()), flush=True)
             del layer, kv, k, v
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -743,7 +743,8 @@ def sampled_generate(model, method, batch, prompt, new_tokens, args, graphed, fl
                                medians).sum()) / 1e3
     ttft_s = samples[0]["ttft_ms"] / 1e3
     return dict(method=method, decode_kernel=decode_kernel, batch=batch, prompt=prompt,
-                prefill_chunk=args.prefill_chunk, new_tokens=new_tokens, estimated=True, samples=samples, seconds=ttft_s + decode_s,
+                prefill_chunk=args.prefill_chunk, new_tokens=new_tokens, estimated=True, samples=samples,
+                seconds=ttft_s + decode_s,
                 tokens_per_s=batch * new_tokens / (ttft_s + decode_s),
                 decode_tokens_per_s=batch * (new_tokens - 1) / decode_s, ttft_ms=ttft_s * 1e3,
                 p50_ms=float(np.median(medians)),

@@ -45,8 +45,8 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
     i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32)  # noqa: E731
     return PagedKV(torch.zeros(1, h, s + g, d, dtype=dtype), torch.zeros(1, h, s + 2 * g, d, dtype=dtype),
                    u8(1, *key_plane_shape(h, g, d)), u8(1, *key_plane_shape(h, g, nb)), u8(1, h, nb), f16(1, h, d),
-                   f16(1, h, d), u8(1, *value_plane_shape(h, d, g)), u8(1, *value_plane_shape(h, d, g, cfg.v_bits == 4)),
-                   f16(1, h, g), f16(1, h, g),
+                   f16(1, h, d), u8(1, *value_plane_shape(h, d, g)),
+                   u8(1, *value_plane_shape(h, d, g, cfg.v_bits == 4)), f16(1, h, g), f16(1, h, g),
                    i32(1, 1), i32(1, 1), i32(1), i32(1), i32(1), s, g, nb, cfg.v_bits)
 
 
