@@ -491,8 +491,9 @@ def _copy_plane(buf, ptr, page, R: gl.constexpr, K: gl.constexpr):
     """cp.async of page `page`'s (R, K) code plane into buf: both hold it chunk by chunk (layout.py), so it is one
     contiguous run of R * K bytes, 16 a thread and 512 a warp an instruction (whole cache lines; in shared memory
     no bank conflicts: while the planes were stored row by row, a row's chunks landed on the same banks, ncu's 16
-    wavefronts an instruction where 4 would do, BENCHMARKS.md section 1, session 16)."""
-    layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
+    wavefronts an instruction where 4 would do, BENCHMARKS.md section 1, session 16); a plane of fewer than 512
+    bytes (16 boosted channels of a 64-token page: 256) takes R * K / 32 a thread, so no lane copies twice."""
+    layout: gl.constexpr = gl.BlockedLayout([min(16, R * K // 32)], [32], [1], [0])
     flat = buf._reinterpret(gl.uint8, [R * K], _flat_shared())
     async_copy.async_copy_global_to_shared(flat, ptr + page * (R * K) + gl.arange(0, R * K, layout=layout))
 

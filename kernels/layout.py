@@ -2,9 +2,10 @@
 
 Key page (one per G tokens, all KV heads of one sequence), dense-sparse decomposition of the paper (Sec. 4.1):
     low   (H, D/C, G/4, C)    uint8  low 2 bits of every channel: byte [c, j, i] holds channel c*C + i of tokens
-                                     j + q*G/4 at bits 2q (q = 0..3, "token quarters"); C = key_chunk(D) = 32
+                                     j + q*G/4 at bits 2q (q = 0..3, "token quarters"); C = key_chunk(D): 32
     high  (H, NB/C', G/4, C') uint8  the same for the high 2 bits of the NB boosted channels only (NB = D for
-                                     4-bit keys, 0 for KIVI-K2), C' = key_chunk(NB): 32, or 16 for 16 channels
+                                     4-bit keys, 0 for KIVI-K2), C' = key_chunk(NB); key_chunk is 32 where 32
+                                     divides the plane's width, else the whole width (16 boosted channels: 16)
     ch    (H, NB)             uint8  the boosted channels, ascending: column r of `high` is channel ch[r]
     scale (H, D) fp16, zero (H, D) fp16: asymmetric min-max per channel; k = (low | high << 2) * scale + zero
 Value page (per-token quantization, KIVI style):
