@@ -543,9 +543,10 @@ def _tma_plane(desc, page, bar, buf, CH: gl.constexpr, R: gl.constexpr, C: gl.co
     buf, as one box of its bytes in rows of TMA_ROW (desc: the planes seen as rows of TMA_ROW bytes,
     tma_descriptors). Why whole rows: TMA's boxes of the 32-byte rows of one chunk, which the planes stored row by row
     needed (a 3-D box: chunk, row, column), capped the copies alone at 3,954 GB/s at batch 64 / 32K, where boxes of
-    128-byte rows read 4,326 (H200, `python -m backend.bench tune --vary loads`, BENCHMARKS.md section 1, session
-    22). Why one box a plane rather than one a chunk: Triton puts a barrier before every TMA copy it issues (bar.sync,
-    then one elected thread), 14 a kitty-pro page with a box a chunk, 8 with a box a plane (session 18)."""
+    128-byte rows read 4,326 (H200, 2026-12-03, `python -m backend.bench tune --vary loads`, BENCHMARKS.md section 1,
+    session 22). Why one box a plane rather than one a chunk: Triton puts a barrier before every TMA copy it issues
+    (bar.sync, then one elected thread), 14 a kitty-pro page with a box a chunk, 8 with a box a plane (session
+    18)."""
     ROWS: gl.constexpr = CH * R * C // TMA_ROW
     tma.async_copy_global_to_shared(desc, [(page * ROWS).to(gl.int32), 0], bar,
                                     buf._reinterpret(gl.uint8, [ROWS, TMA_ROW], _tma_shared(8)))

@@ -22,8 +22,8 @@ Each plane is stored chunk by chunk (a key plane's rows of C channels, a value p
 in which the Gluon kernel computes it and keeps it in shared memory: so a page's plane is one contiguous run that
 one TMA box of whole 128-byte rows copies as it is. TMA boxes of the 32-byte rows of one chunk, which the
 row-major planes before needed, capped the kernel's copies at 3,954 GB/s at batch 64 / 32K, where boxes of
-128-byte rows reached 4,326 (H200, `python -m backend.bench tune --vary loads`, BENCHMARKS.md section 1,
-session 22). key_rows / value_rows give the planes row by row, as the references read them.
+128-byte rows reached 4,326 (H200, 2026-12-03, `python -m backend.bench tune --vary loads`, BENCHMARKS.md section
+1, session 22). key_rows / value_rows give the planes row by row, as the references read them.
 """
 from __future__ import annotations
 
