@@ -266,6 +266,8 @@ GLUON_CASES = [
     ([777], 3, 128, 1, 2, 2, 0, 128, 128, 0, torch.float16),                  # kivi-k2v2
     # head_dim 64 at GQA ratio 3 with pages of 128 and one chunk of boosted channels (the 8-bit products' shapes)
     ([1100, 260, 129], 2, 64, 3, 2, 2, 32, 128, 128, 32, torch.float16),
+    # kitty at head_dim 128 with pages of 64: a 256-byte plane of 16 boosted channels, under a warp's 512-byte copy
+    ([600, 170], 2, 128, 4, 2, 2, 32, 64, 64, 16, torch.bfloat16),
 ]
 
 
