@@ -260,7 +260,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "pdl", "i8", "loads")
+               "pdl", "i8", "loads", "value-buffers")
 
 
 def bench_tune(args) -> dict:
@@ -291,7 +291,7 @@ def bench_tune(args) -> dict:
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False,
-                        loads=False)
+                        loads=None, value_buffers=None)
 
             default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
             default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
@@ -337,18 +337,24 @@ def bench_tune(args) -> dict:
                                             for r in (GLUON_MAXNREG, 128)],
                       # the memory pipeline's ceiling: the default Gluon kernel's paged launch with its copies and
                       # barriers and no products (decode_gluon's COMPUTE=False; not attention), at the splits of 12
-                      # and 16 programs a multiprocessor (its own registers never limit it), beside the whole kernel
-                      "loads": [gluon(cap)] + [{**gluon(r), "loads": True} for r in (GLUON_MAXNREG, 128)]}
+                      # and 16 programs a multiprocessor (its own registers never limit it), beside the whole kernel;
+                      # and the arithmetic's own time: the same launch with its products and barriers and no copies
+                      # (COPIES=False), at its cap
+                      "loads": [gluon(cap)] + [{**gluon(r), "loads": "copies"} for r in (GLUON_MAXNREG, 128)]
+                      + [{**gluon(cap), "loads": "arithmetic"}],
+                      # the default Gluon kernel with one and two value buffers a program (decode_gluon.value_buffers)
+                      "value-buffers": [{**gluon(cap), "value_buffers": n} for n in (1, 2)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
-                        and (not s["loads"] or gluon_supports_tma(q, kv))]          # the copies-only launch: TMA
+                        and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
-                                               rest_warps=setting["rest_warps"], pdl=setting["pdl"])
+                                               rest_warps=setting["rest_warps"], pdl=setting["pdl"],
+                                               value_buffers=setting["value_buffers"])
                 if setting["loads"]:
-                    run = paged_copies(q, kv, setting["splits"], setting["maxnreg"])
+                    run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
@@ -365,15 +371,17 @@ def bench_tune(args) -> dict:
     return {"kind": "tune", "rows": rows, "env": environment()}
 
 
-def paged_copies(q: torch.Tensor, kv, splits: int, maxnreg: int):
-    """A call of the default Gluon kernel's paged launch that only copies its pages and waits for them (TMA,
-    decode_gluon's COMPUTE=False): what the memory pipeline alone takes, on a GPU that takes TMA."""
+def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str):
+    """A call of the default Gluon kernel's paged launch (TMA) that only copies its pages and waits for them (half
+    "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or only computes, over its first
+    slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take)."""
     from kernels import decode_gluon
     b, hq, d = q.shape
     parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),
              torch.empty(b, hq, splits, device=q.device))
     descriptors = decode_gluon.tma_descriptors(kv, d)
-    return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, True, descriptors, compute=False)
+    return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, True, descriptors,
+                                       compute=half != "copies", copies=half != "arithmetic")
 
 
 def paged_bytes(kv) -> int:
