@@ -260,7 +260,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "pdl", "i8", "loads", "value-buffers")
+               "pdl", "i8", "loads")
 
 
 def bench_tune(args) -> dict:
@@ -291,7 +291,7 @@ def bench_tune(args) -> dict:
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False,
-                        loads=None, value_buffers=None)
+                        loads=None)
 
             default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
             default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
@@ -341,9 +341,7 @@ def bench_tune(args) -> dict:
                       # and the arithmetic's own time: the same launch with its products and barriers and no copies
                       # (COPIES=False), at its cap
                       "loads": [gluon(cap)] + [{**gluon(r), "loads": "copies"} for r in (GLUON_MAXNREG, 128)]
-                      + [{**gluon(cap), "loads": "arithmetic"}],
-                      # the default Gluon kernel with one and two value buffers a program (decode_gluon.value_buffers)
-                      "value-buffers": [{**gluon(cap), "value_buffers": n} for n in (1, 2)]}
+                      + [{**gluon(cap), "loads": "arithmetic"}]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA
@@ -351,8 +349,7 @@ def bench_tune(args) -> dict:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
-                                               rest_warps=setting["rest_warps"], pdl=setting["pdl"],
-                                               value_buffers=setting["value_buffers"])
+                                               rest_warps=setting["rest_warps"], pdl=setting["pdl"])
                 if setting["loads"]:
                     run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"])
                 seconds = median_seconds(run, args.quick)

@@ -656,7 +656,7 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
-                     pdl: bool | None = None, value_buffers: int | None = None) -> torch.Tensor:
+                     pdl: bool | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches (decode_launches): the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers)
     and the merge of their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default:
@@ -667,11 +667,10 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
     same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
     (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps). pdl: the
-    three launches chained by programmatic dependent launch (decode_launches; default PDL). value_buffers: the Gluon
-    kernel's value buffers a program (default: decode_gluon.value_buffers). With a workspace, its buffers are reused
-    (see DecodeWorkspace); without, they are allocated per call."""
+    three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
+    buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
-                           rest_warps, pdl, value_buffers)()
+                           rest_warps, pdl)()
 
 
 @dataclass
@@ -695,7 +694,7 @@ class DecodeLaunches:
 def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                     workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
-                    pdl: bool | None = None, value_buffers: int | None = None) -> DecodeLaunches:
+                    pdl: bool | None = None) -> DecodeLaunches:
     """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
     the merge, with the kernel, split, register cap and warps resolved as it resolves them.
 
@@ -745,7 +744,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
 
         def paged():
             decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, pdl,
-                                decode_gluon.I8_PRODUCTS[kernel], value_buffers)
+                                decode_gluon.I8_PRODUCTS[kernel])
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
 

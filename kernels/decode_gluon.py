@@ -512,21 +512,13 @@ def _key_buffers(D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, TMA: gl.con
 
 
 @gluon.jit
-def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, NV: gl.constexpr):
-    """Shared memory for NV value pages' tiles, each kind [NV, ...] (a buffer's layout, NV of them): low plane, high
-    plane, scales, zeros."""
-    return (gl.allocate_shared_memory(gl.uint8, [NV] + _plane_shape(D // 4, G, G // 4, True), _plane_shared(TMA)),
-            gl.allocate_shared_memory(gl.uint8, [NV] + _plane_shape(D // 4, G, G // 4, V_BITS == 4),
-                                      _plane_shared(TMA)),
-            gl.allocate_shared_memory(gl.float16, [NV, G], _flat_shared()),
-            gl.allocate_shared_memory(gl.float16, [NV, G], _flat_shared()))
-
-
-@gluon.jit
-def _value_slot(vbufs, j):
-    """Value buffer j of _value_buffers' NV: its (low plane, high plane, scales, zeros)."""
-    vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    return vlow_s.index(j), vhigh_s.index(j), vscale_s.index(j), vzero_s.index(j)
+def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr):
+    """Shared memory for a value page's tiles: low plane, high plane, scales, zeros."""
+    flat: gl.constexpr = _flat_shared()
+    return (gl.allocate_shared_memory(gl.uint8, _plane_shape(D // 4, G, G // 4, True), _plane_shared(TMA)),
+            gl.allocate_shared_memory(gl.uint8, _plane_shape(D // 4, G, G // 4, V_BITS == 4), _plane_shared(TMA)),
+            gl.allocate_shared_memory(gl.float16, [G], flat),
+            gl.allocate_shared_memory(gl.float16, [G], flat))
 
 
 # ------------------------------------------------------------------------------------------- the same copies by TMA
@@ -598,15 +590,14 @@ def _tma_values(vbufs, bar, vpage, vlow_d, vhigh_d, vscale_d, vzero_d, D: gl.con
 
 
 @gluon.jit
-def _barriers(NV: gl.constexpr):
-    """Initialised mbarriers, visible to TMA: the key buffer's, and one per value buffer ([NV, 1])."""
+def _barrier_pair():
+    """Two initialised mbarriers (a key and a value buffer's), visible to TMA."""
     kbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    vbars = gl.allocate_shared_memory(gl.int64, [NV, 1], mbarrier.MBarrierLayout())
+    vbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kbar, count=1)
-    for j in gl.static_range(NV):
-        mbarrier.init(vbars.index(j), count=1)
+    mbarrier.init(vbar, count=1)
     fence_async_shared()
-    return kbar, vbars
+    return kbar, vbar
 
 
 @gluon.jit
@@ -632,20 +623,20 @@ def _fetch_values(vbufs, vbar, vpage, vlow, vhigh, vscale, vzero, D: gl.constexp
 
 @gluon.jit
 def _commit(TMA: gl.constexpr):
-    """Close a cp.async group (every slot commits one per kind, empty or not, so that wait_group counts slots); TMA
-    counts bytes on its mbarriers instead."""
+    """Close a cp.async group (every slot commits one per kind, empty or not, so that wait_group(1) counts
+    slots); TMA counts bytes on its mbarriers instead."""
     if not TMA:
         async_copy.commit_group()
 
 
 @gluon.jit
-def _arrived(bar, phase, LATER: gl.constexpr, TMA: gl.constexpr):
-    """Wait for a buffer: its mbarrier's phase with TMA, else every cp.async group but the LATER newest (the groups
-    committed after the buffer's)."""
+def _arrived(bar, phase, TMA: gl.constexpr):
+    """Wait for the oldest buffer in flight: its mbarrier's phase with TMA, else all but the newest cp.async
+    group."""
     if TMA:
         mbarrier.wait(bar, phase)
     else:
-        async_copy.wait_group(LATER)
+        async_copy.wait_group(1)
 
 
 @gluon.jit
@@ -686,13 +677,11 @@ _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 @gluon.jit
 def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
-                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbars, H: gl.constexpr,
-                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr,
-                 NV: gl.constexpr):
+                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
+                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr):
     """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split), its slot buffers
-    with the first slot's pages on their way (and, with NV = 2 value buffers, the second slot's values: in the
-    order values, keys, values, so that the loop's cp.async waits count alike from the first slot on), and the page
-    ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
+    with the first slot's pages on their way (keys then values: _fetch_keys), and the page ids the loop starts
+    from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
     per_split = gl.cdiv(n_paged, NSPLIT)
     start = part * per_split
@@ -701,29 +690,18 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
     ktab = ktab_ptr + b * KMP
     vtab = vtab_ptr + b * VMP
     kbufs = _key_buffers(D, G, NB, TMA)
-    vbufs = _value_buffers(D, G, V_BITS, TMA, NV)
+    vbufs = _value_buffers(D, G, V_BITS, TMA)
     kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
     vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
+    if start < end:
+        _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
+        _commit(TMA)
+        _fetch_values(vbufs, vbar, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
+        _commit(TMA)
     # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use.
     # A program without slots reads no table entry (a sequence's row may have none)
     kpage_next = gl.load(ktab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
     vpage_next = gl.load(vtab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
-    if NV == 2:
-        if start < end:
-            _fetch_values(_value_slot(vbufs, 0), vbars.index(0), vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
-                          D, G, V_BITS, TMA)
-        _commit(TMA)
-    if start < end:
-        _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
-    _commit(TMA)
-    if NV == 2:
-        if start + 1 < end:
-            _fetch_values(_value_slot(vbufs, 1), vbars.index(1), vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr,
-                          vzero_ptr, D, G, V_BITS, TMA)
-    elif start < end:
-        _fetch_values(_value_slot(vbufs, 0), vbars.index(0), vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G,
-                      V_BITS, TMA)
-    _commit(TMA)
     return start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next
 
 
@@ -752,15 +730,15 @@ def _gluon_paged_kernel(
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
-        NV: gl.constexpr = 1, COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True):
+        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
     the key scales as a pointer, for the boosted channels' gather. PDL: the remaining blocks' kernel after it may
-    start at once (decode_launches' pdl). NV: value buffers (value_buffers), so that a slot's values are on their
-    way NV - 1 slots early. Two measurements that are not attention (`python -m backend.bench tune --vary loads`):
-    COMPUTE=False, the page loop's copies, waits and barriers only (the memory pipeline's own ceiling); COPIES=False,
-    its products and barriers only, over the first slot's pages again and again (the arithmetic's own time)."""
+    start at once (decode_launches' pdl). Two measurements that are not attention (`python -m backend.bench tune
+    --vary loads`): COMPUTE=False, the page loop's copies, waits and barriers only (the memory pipeline's own
+    ceiling); COPIES=False, its products and barriers only, over the first slot's pages again and again (the
+    arithmetic's own time)."""
     if PDL:
         _launch_dependents()
     b = gl.program_id(0)
@@ -769,13 +747,13 @@ def _gluon_paged_kernel(
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     if TMA:
-        kbar, vbars = _barriers(NV)
+        kbar, vbar = _barrier_pair()
     else:
         kbar = 0                                    # cp.async groups need no barrier
-        vbars = gl.allocate_shared_memory(gl.int64, [NV, 1], mbarrier.MBarrierLayout())   # (never used)
+        vbar = 0
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbars, H, D, G, NB, V_BITS, TMA, NV)
+        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA)
     q_rows, hmask_b, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
 
     mma: gl.constexpr = _mma()
@@ -786,18 +764,16 @@ def _gluon_paged_kernel(
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc3 = gl.zeros([D4, HEADS], gl.float32, mma)
+    phase = 0
     if not COPIES:                                  # the first slot's pages, then no copies and no waits
-        _arrived(kbar, 0, NV, TMA)
-        _arrived(vbars.index(0), 0, NV, TMA)
+        _arrived(kbar, 0, TMA)
+        _arrived(vbar, 0, TMA)
     for slot in range(start, end):
-        it = slot - start
         more = COPIES and slot + 1 < end
         kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-        j = it % NV                                 # this slot's value buffer
-        vbuf = _value_slot(vbufs, j)
         if COPIES:
-            _arrived(kbar, it & 1, 1, TMA)          # this slot's keys are in (its values may not be)
+            _arrived(kbar, phase, TMA)              # this slot's keys are in (its values may not be)
         _BARRIER()                                  # ... for every lane (and, the first time, the queries)
         if not COMPUTE:
             pass
@@ -810,17 +786,16 @@ def _gluon_paged_kernel(
             _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
         _commit(TMA)
         if COPIES:
-            # this slot's values are in (the next slot's keys, and with NV = 2 the next slot's values, may not be)
-            _arrived(vbars.index(j), (it // NV) & 1, NV, TMA)
+            _arrived(vbar, phase, TMA)              # this slot's values are in (the next slot's keys may not be)
         _BARRIER()
         if COMPUTE:
-            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbuf, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
+            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
                                                                     acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
         _BARRIER()                                  # the value reads are done: refill the value buffer
-        if COPIES and slot + NV < end:              # ... with the values NV slots on
-            _fetch_values(vbuf, vbars.index(j), vpage_next if NV == 1 else vpage_after, vlow_ptr, vhigh_ptr,
-                          vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
+        if more:
+            _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
         _commit(TMA)
+        phase = phase ^ 1
         kpage = kpage_next
         kpage_next = kpage_after
         vpage_next = vpage_after
@@ -853,18 +828,17 @@ def _launch_dependents():
 SHARED_PER_SM = 228 * 1024          # H100 / H200: shared memory of a multiprocessor, and what each program reserves
 SHARED_RESERVED = 1024
 CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one token quarter at a time
-TMA_BARRIERS = 24                   # the 8-byte mbarriers (2 or 3) and their alignment
+TMA_BARRIERS = 24                   # two 8-byte mbarriers and their alignment
 
 
-def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, value_buffers: int = 1) -> int:
-    """Shared memory of one program of _gluon_paged_kernel: the queries, a key buffer, value_buffers value buffers,
-    the conversion scratch and, with TMA, the mbarriers as the compiler places them (the placeholders of planes the
-    method lacks are never used, and the compiler drops them; tests/test_kernels.py checks this against compiled
-    kernels)."""
+def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False) -> int:
+    """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers, the conversion scratch
+    and, with TMA, the two mbarriers as the compiler places them (the placeholders of planes the method lacks are
+    never used, and the compiler drops them; tests/test_kernels.py checks this against compiled kernels)."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + nb + 4 * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
-    return 16 * d + CONVERT_SCRATCH + key + value_buffers * value + (TMA_BARRIERS if use_tma else 0)
+    return 16 * d + CONVERT_SCRATCH + key + value + (TMA_BARRIERS if use_tma else 0)
 
 
 def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
@@ -875,16 +849,6 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     by_registers = 4 * (16384 // (32 * (-(-maxnreg // 8) * 8)))
     by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim) + SHARED_RESERVED)
     return max(1, min(by_registers, by_shared))
-
-
-def value_buffers(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
-    """Value buffers of a program of _gluon_paged_kernel: 2 where the programs resident_programs allows still fit in
-    shared memory with a second one (kitty-pro, kitty, kivi-k2v2 at 168 registers: 12), else 1. Why: with one buffer
-    of each kind, a program has one page's copy in flight at a time (the keys during the value products, the values
-    during the key products); a second value buffer, refilled with the values two slots on, keeps about twice the
-    bytes in flight, as the copies-only kernel has, which reads 4.5 TB/s."""
-    fit = (shared_bytes(kv, head_dim, True, 2) + SHARED_RESERVED) * resident_programs(kv, head_dim, maxnreg)
-    return 2 if fit <= SHARED_PER_SM else 1
 
 
 def tma_descriptors(kv: PagedKV, head_dim: int) -> tuple:
@@ -916,7 +880,7 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
                      use_tma: bool = False, descriptors: tuple | None = None,
-                     i8: int = 0, nv: int = 1) -> tuple[tuple, dict]:
+                     i8: int = 0) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
     use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here). Also used to
@@ -928,7 +892,7 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     I8=i8, NV=nv)
+                     I8=i8)
     return args, constants
 
 
@@ -956,15 +920,11 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
-           nv: int | None = None, compute: bool = True, copies: bool = True) -> None:
+           compute: bool = True, copies: bool = True) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
-    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only); nv:
-    value buffers (default: value_buffers). Measurements, not attention: compute=False, the copies alone;
-    copies=False, the arithmetic alone."""
-    nv = nv or value_buffers(kv, q.shape[-1], maxnreg)
-    if nv not in (1, 2):
-        raise ValueError(f"value_buffers must be 1 or 2, not {nv!r}")
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, nv)
+    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
+    Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone."""
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

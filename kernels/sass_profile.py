@@ -88,20 +88,18 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
-                         pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
-                         nv: int | None = None):
+                         pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
-    example cache as compile_split_kernel, with nv value buffers (default: decode_gluon.value_buffers at the cap);
-    compute=False: its copies alone, copies=False: its arithmetic alone (bench tune --vary loads)."""
+    example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
+    bench tune --vary loads)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments, value_buffers
+    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    nv = nv or value_buffers(kv, head_dim, maxnreg)
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8, nv=nv)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8)
     return _compile(GluonASTSource, _gluon_paged_kernel, args,
                     {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})

@@ -276,8 +276,7 @@ GLUON_CASES = [
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
 def test_gluon_decode_attention_matches_reference(case, kernel):
     """The Gluon kernel with one split (programs of many slots: every buffer refilled many times) at the compiler's
-    registers with one value buffer and at a cap of 168 with two, three splits at 168, and the default split, cap
-    and value buffers (gluon_maxnreg: 192 or 168; decode_gluon.value_buffers), against the
+    registers, three at a cap of 168, and the default split and cap (gluon_maxnreg: 192 or 168), against the
     reference and the Triton kernel; the partials and the output poisoned first, so that an unwritten element
     fails. Its arithmetic is not the Triton kernel's (fp16 operands for both query dtypes, products with ones for
     the zero terms and the sums of p): it must be about as close to the reference as the Triton kernel (within
@@ -301,14 +300,13 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     if decode_gluon.I8_PRODUCTS[kernel]:
         check_i8_kernel(q, kv, kernel, ref, tol)
         return
-    # None: the defaults; one and two value buffers (decode_gluon.value_buffers) with one split, refilled most
-    for splits, maxnreg, buffers in ((1, 255, 1), (1, 168, 2), (3, 168, None), (None, None, None)):
+    for splits, maxnreg in ((1, 255), (3, 168), (None, None)):          # None: the defaults
         workspace = DecodeWorkspace()
         poisoned = workspace.get(q, (splits or split_count(q, kv, kernel, GLUON_MAXNREG)) + rest_parts(kv))
         for buffer in poisoned:
             buffer.fill_(float("nan"))
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel=kernel, maxnreg=maxnreg,
-                               workspace=workspace, value_buffers=buffers)
+                               workspace=workspace)
         assert workspace.buffers is poisoned, "the call took other buffers than the poisoned ones"
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
@@ -385,25 +383,22 @@ def test_decode_attention_before_the_first_page(kernel):
 def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     """Without a GPU: the Gluon kernel compiles for sm_90 (its operand layouts are checked to be register renamings
     when it is built: convert_layout(..., assert_trivial=True)); its page loop holds exactly the matrix products the
-    page needs, no spills in it with the compiler's registers (one value buffer: with two, kitty-pro's loop spills
-    one register there) and at the default cap (two value buffers, decode_gluon.value_buffers), 16-byte cp.async
-    copies of the codes, the shared memory that shared_bytes plans occupancy with."""
+    page needs, no spills in it with the compiler's registers and at the default cap, 16-byte cp.async copies of
+    the codes, the shared memory that shared_bytes plans occupancy with."""
     code = textwrap.dedent("""
         import torch
-        from kernels.decode_gluon import shared_bytes, value_buffers
+        from kernels.decode_gluon import shared_bytes
         from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
         for method, dtype, maxnreg, tma in (("kitty-pro", torch.bfloat16, 255, False),
                                             ("kivi-k2v2", torch.float16, 255, False),
                                             ("kitty", torch.bfloat16, 255, False),
                                             ("kitty-pro", torch.bfloat16, 168, False),
                                             ("kitty-pro", torch.bfloat16, 168, True)):
-            kv = example_paged_kv(method, 8, 128, dtype)
-            nv = 1 if maxnreg == 255 else value_buffers(kv, 128, maxnreg)
-            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=maxnreg, use_tma=tma, nv=nv)
+            compiled = compile_gluon_kernel(method, dtype, 4, maxnreg=maxnreg, use_tma=tma)
             row = profile(compiled)
             ptx = compiled.asm["ptx"]
             wide = ptx.count("cp.async.bulk.tensor") if tma else ptx.count("cp.async.cg.shared.global [")
-            planned = shared_bytes(kv, 128, use_tma=tma, value_buffers=nv)
+            planned = shared_bytes(example_paged_kv(method, 8, 128, dtype), 128, use_tma=tma)
             print(method + ("-168" if maxnreg < 255 else "") + ("-tma" if tma else ""), row["loop matrix"],
                   row["loop local ld/st"], row["shared bytes"], planned, wide)
     """)
@@ -427,8 +422,8 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     assert rows["kitty-pro"][4] >= (4096 + 1024 + 4096) // 16 // 32 and rows["kivi-k2v2"][4] >= 8192 // 16 // 32
     assert rows["kitty"][4] >= (4096 + 512 + 4096) // 16 // 32, run.stdout
     # with TMA: a box per plane and a box per vector, 8 a kitty-pro page (3 planes, 5 vectors), issued once in the
-    # loop and in the first slots, where the second value buffer's 3 (a plane, 2 vectors) are issued too
-    assert rows["kitty-pro-168-tma"][4] == 2 * 8 + 3, run.stdout
+    # first slots and once in the loop
+    assert rows["kitty-pro-168-tma"][4] == 2 * 8, run.stdout
 
 
 def test_i8_kernels_compile_for_hopper_with_integer_products():
@@ -458,23 +453,6 @@ def test_i8_kernels_compile_for_hopper_with_integer_products():
     assert all(spills == 0 for _, _, spills in rows.values()), run.stdout
 
 
-def test_a_second_value_buffer_only_where_it_costs_no_resident_program():
-    """decode_gluon.value_buffers: two value buffers a program where the programs its registers leave resident (12
-    at the default cap of 168) still fit in shared memory with them, one where they would not (kivi-k4v4's 4-bit
-    pages are twice the bytes)."""
-    from kernels.decode_gluon import SHARED_PER_SM, SHARED_RESERVED, resident_programs, shared_bytes, value_buffers
-    from kernels.sass_profile import example_paged_kv
-    for method, expected in (("kitty-pro", 2), ("kitty", 2), ("kivi-k2v2", 2), ("kivi-k4v4", 1)):
-        kv = example_paged_kv(method, 8, 128, torch.bfloat16)
-        nv = value_buffers(kv, 128, GLUON_MAXNREG)
-        assert nv == expected, method
-        assert resident_programs(kv, 128, GLUON_MAXNREG) == (12 if nv == 2 else 11), method
-        assert (shared_bytes(kv, 128, True, nv) + SHARED_RESERVED) * resident_programs(kv, 128, GLUON_MAXNREG) \
-            <= SHARED_PER_SM, method
-        assert (shared_bytes(kv, 128, True, nv + 1) + SHARED_RESERVED) * resident_programs(kv, 128, GLUON_MAXNREG) \
-            > SHARED_PER_SM or nv == 2, method
-
-
 def test_the_kernels_halves_keep_its_copies_or_its_products():
     """Without a GPU: the paged kernel with COMPUTE=False (bench tune --vary loads, the memory pipeline's ceiling)
     issues the same TMA copies (2-D boxes: a plane's whole rows, layout.py) and mbarrier waits a page as the kernel
@@ -497,8 +475,8 @@ def test_the_kernels_halves_keep_its_copies_or_its_products():
     full, copies, arithmetic = ([int(x) for x in line.split()[1:]] for line in run.stdout.splitlines())
     assert copies[:2] == full[:2] and full[0] > 0 and full[1] > 0, run.stdout
     assert copies[2] == 0 < full[2] and copies[3] == full[3] == 0, run.stdout
-    # the first slots' 11 copies (keys 5, two value buffers 3 each) and one wait a kind
-    assert arithmetic[:4] == [11, 2, full[2], 0] and arithmetic[4] < full[4], run.stdout
+    # the first slot's 8 copies and one wait a kind
+    assert arithmetic[:4] == [8, 2, full[2], 0] and arithmetic[4] < full[4], run.stdout
 
 
 def test_pdl_compiles_into_the_kernels_for_hopper():
