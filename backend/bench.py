@@ -339,9 +339,10 @@ def bench_tune(args) -> dict:
                       # barriers and no products (decode_gluon's COMPUTE=False; not attention), at the splits of 12
                       # and 16 programs a multiprocessor (its own registers never limit it), beside the whole kernel;
                       # and the arithmetic's own time: the same launch with its products and barriers and no copies
-                      # (COPIES=False), at its cap
-                      "loads": [gluon(cap)] + [{**gluon(r), "loads": "copies"} for r in (GLUON_MAXNREG, 128)]
-                      + [{**gluon(cap), "loads": "arithmetic"}]}
+                      # (COPIES=False), at its cap and at 16 programs a multiprocessor (128 registers, with spills:
+                      # whether more warps would hide its latencies)
+                      "loads": [gluon(cap)] + [{**gluon(r), "loads": half} for half in ("copies", "arithmetic")
+                                               for r in (GLUON_MAXNREG, 128)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA
