@@ -260,7 +260,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "pdl", "i8", "loads", "pipe")
+               "pdl", "i8", "loads")
 
 
 def bench_tune(args) -> dict:
@@ -275,7 +275,6 @@ def bench_tune(args) -> dict:
     method = (args.methods or ["kitty-pro"])[0]
     sm_count = multiprocessors(torch.device(device))
     from kernels.decode_gluon import resident_programs as gluon_resident
-    from kernels.decode_gluon import PIPELINED
     from kernels.decode_gluon import supports_tma as gluon_supports_tma
     rows = []
     for length in lengths:
@@ -343,11 +342,7 @@ def bench_tune(args) -> dict:
                       # (COPIES=False), at its cap and at 16 programs a multiprocessor (128 registers, with spills:
                       # whether more warps would hide its latencies)
                       "loads": [gluon(cap)] + [{**gluon(r), "loads": half} for half in ("copies", "arithmetic")
-                                               for r in (GLUON_MAXNREG, 128)],
-                      # the pipelined exact kernel (the next slot's keys beside this slot's values) against the
-                      # default, whole and as its arithmetic alone
-                      "pipe": [{**gluon(cap, kernel=k), "loads": half} for half in (None, "arithmetic")
-                               for k in (default_gluon, "gluon-tma-pipe")]}
+                                               for r in (GLUON_MAXNREG, 128)]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA
@@ -357,8 +352,7 @@ def bench_tune(args) -> dict:
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                                rest_warps=setting["rest_warps"], pdl=setting["pdl"])
                 if setting["loads"]:
-                    run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"],
-                                     setting["kernel"] in PIPELINED)
+                    run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"])
                 seconds = median_seconds(run, args.quick)
                 kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
@@ -375,18 +369,17 @@ def bench_tune(args) -> dict:
     return {"kind": "tune", "rows": rows, "env": environment()}
 
 
-def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, pipe: bool = False):
-    """A call of the default Gluon kernel's paged launch (TMA; pipe: the pipelined kernel's) that only copies its
-    pages and waits for them (half "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or
-    only computes, over its first slot's pages again and again ("arithmetic", COPIES=False: what the instructions
-    alone take)."""
+def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str):
+    """A call of the default Gluon kernel's paged launch (TMA) that only copies its pages and waits for them (half
+    "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or only computes, over its first
+    slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take)."""
     from kernels import decode_gluon
     b, hq, d = q.shape
     parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),
              torch.empty(b, hq, splits, device=q.device))
-    descriptors = decode_gluon.tma_descriptors(kv, d, pipe)
+    descriptors = decode_gluon.tma_descriptors(kv, d)
     return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, True, descriptors,
-                                       compute=half != "copies", copies=half != "arithmetic", pipe=pipe)
+                                       compute=half != "copies", copies=half != "arithmetic")
 
 
 def paged_bytes(kv) -> int:

@@ -557,15 +557,14 @@ class DecodeWorkspace:
             self.buffers = (part_o, part_m, torch.empty_like(part_m), torch.empty_like(q))
         return self.buffers
 
-    def tma_descriptors(self, kv: PagedKV, head_dim: int, halves: bool = False) -> tuple:
-        """decode_gluon.tma_descriptors(kv, head_dim, halves), made again only when a page tensor has moved or
-        changed shape (a cache's pools grow by reallocation) or the kernel wants other boxes: making them takes
-        about 170 us on CI's CPU, in every layer's every decode step that no CUDA graph replays; this check takes
-        6."""
+    def tma_descriptors(self, kv: PagedKV, head_dim: int) -> tuple:
+        """decode_gluon.tma_descriptors(kv, head_dim), made again only when a page tensor has moved or changed
+        shape (a cache's pools grow by reallocation): making them takes about 170 us on CI's CPU, in every layer's
+        every decode step that no CUDA graph replays; this check takes 6."""
         from . import decode_gluon
-        key = (head_dim, halves, *((t.data_ptr(), t.shape, t.stride()) for t in decode_gluon.page_tensors(kv)))
+        key = (head_dim, *((t.data_ptr(), t.shape, t.stride()) for t in decode_gluon.page_tensors(kv)))
         if key != self.descriptor_key:
-            self.descriptors, self.descriptor_key = decode_gluon.tma_descriptors(kv, head_dim, halves), key
+            self.descriptors, self.descriptor_key = decode_gluon.tma_descriptors(kv, head_dim), key
         return self.descriptors
 
 
@@ -593,7 +592,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-pipe")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -616,9 +615,7 @@ GLUON_MAXNREG_FEW = 192
 # 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
 # kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
 # section 3, `python -m backend.bench quality`)
-# "gluon-tma-pipe": the exact kernel with the keys of the next slot computed beside the values of this one, each page
-# copied in two halves (decode_gluon's _pipelined_slots: why, there). An experiment until the H200 says it is faster.
-GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-pipe")
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
@@ -668,8 +665,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     on the H200: MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
-    same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback), "gluon-tma-pipe"
-    (the exact products, the next slot's keys beside this slot's values; the same fallback) or "auto"
+    same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
     (choose_kernel). rest_warps: warps a program of the remaining blocks (default: decode_rest.rest_warps). pdl: the
     three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
     buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
@@ -744,12 +740,11 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     if kernel in GLUON_KERNELS:
         from . import decode_gluon
         use_tma = kernel != "gluon"
-        pipe = kernel in decode_gluon.PIPELINED
-        descriptors = workspace.tma_descriptors(kv, d, pipe) if use_tma else None
+        descriptors = workspace.tma_descriptors(kv, d) if use_tma else None
 
         def paged():
             decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, pdl,
-                                decode_gluon.I8_PRODUCTS[kernel], pipe=pipe)
+                                decode_gluon.I8_PRODUCTS[kernel])
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
 

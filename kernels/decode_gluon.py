@@ -208,62 +208,35 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
     accumulator tiles. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS), taken times
     qk_scale / Q_SCALE in the fp32 sums; q_rows / hmask_b: (1, HEADS) pointers to the query rows and the real heads,
     for the boosted channels' gather."""
-    b_nb = 0
-    if NB > 0 and NB <= 32:
-        # one chunk of boosted channels: its gathers first, so that their latency is spent on the low plane
-        b_nb = _boosted_operand(kbufs[2], 0, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
-    s0, s1, s2, s3, zq = _key_sums(G)
-    s0, s1, s2, s3, zq = _key_chunks(kbufs, q_s, 0, D // KC, s0, s1, s2, s3, zq, G)
-    s0, s1, s2, s3 = _key_boosted(kbufs, b_nb, kpage, q_rows, hmask_b, kscale_ptr, s0, s1, s2, s3, D, G, NB)
-    return _key_finish(s0, s1, s2, s3, zq, qk_scale)
-
-
-@gluon.jit
-def _key_sums(G: gl.constexpr):
-    """A key page's 4 token quarters' score sums and its zero term, at 0: (G/4, HEADS) accumulator tiles."""
-    mma: gl.constexpr = _mma()
-    z = gl.zeros([G // 4, HEADS], gl.float32, mma)
-    return z, z, z, z, z
-
-
-@gluon.jit
-def _key_chunks(kbufs, q_s, C0: gl.constexpr, C1: gl.constexpr, s0, s1, s2, s3, zq, G: gl.constexpr):
-    """Channel chunks [C0, C1) of the key page in kbufs (its low plane) added to the score sums s0..s3, and their
-    zero term sum_d q_d * zero_d to zq."""
     G4: gl.constexpr = G // 4
+    mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
     vec: gl.constexpr = gl.SliceLayout(1, cols)
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
+    if NB > 0 and NB <= 32:
+        # one chunk of boosted channels: its gathers first, so that their latency is spent on the low plane
+        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
+    s0 = gl.zeros([G4, HEADS], gl.float32, mma)
+    s1 = gl.zeros([G4, HEADS], gl.float32, mma)
+    s2 = gl.zeros([G4, HEADS], gl.float32, mma)
+    s3 = gl.zeros([G4, HEADS], gl.float32, mma)
     # sum_d q_d * zero_d on every row, by the matrix unit: ones @ (q * zero), a product per 16 x 16 tile instead of a
     # conversion and a multiply-add per element and a reduction over lanes
-    ones = gl.full([G4, KC], 1.0, DOT, gl.DotOperandLayout(0, _mma(), 2))
-    for c in gl.static_range(C0, C1):
+    zq = gl.zeros([G4, HEADS], gl.float32, mma)
+    ones = gl.full([G4, KC], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
+    for c in gl.static_range(D // KC):
         q = q_s.index(c).load(cols)                     # the operands in fp16 arithmetic: 2 elements an instruction
         zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
         b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC)
         s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC)
-    return s0, s1, s2, s3, zq
-
-
-@gluon.jit
-def _key_boosted(kbufs, b_nb, kpage, q_rows, hmask_b, kscale_ptr, s0, s1, s2, s3, D: gl.constexpr, G: gl.constexpr,
-                 NB: gl.constexpr):
-    """The boosted channels' products added to the score sums: + 4 * (q_c * scale_c) * high_c over the NB channels
-    of the high plane. b_nb: the first chunk's operand, gathered already where NB <= 32 (one chunk)."""
-    G4: gl.constexpr = G // 4
     if NB > 0:
+        # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         NBC: gl.constexpr = _chunk(NB)
         for c in gl.static_range(NB // NBC):
             if NB > 32:
-                b_nb = _boosted_operand(kbufs[2], c, kpage, q_rows, hmask_b, kscale_ptr, D, NBC)
-            s0, s1, s2, s3 = _tile_products(kbufs[1].slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2,
-                                            s3, G4, NBC)
-    return s0, s1, s2, s3
-
-
-@gluon.jit
-def _key_finish(s0, s1, s2, s3, zq, qk_scale):
-    """The score sums in log2 units: each quarter times its weight and qk_scale / Q_SCALE, plus the zero term."""
+                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D, NBC)
+            s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
+                                            G4, NBC)
     scale = qk_scale * (1.0 / Q_SCALE)
     zq = zq * scale
     return (s0 * (_pick(QUARTER_WEIGHT, 0) * scale) + zq, s1 * (_pick(QUARTER_WEIGHT, 1) * scale) + zq,
@@ -441,11 +414,17 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200
     (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers,
     p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page."""
+    G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
-    page_max, m_new, alpha, l_t, z_t = _softmax_page(s0, s1, s2, s3, m_i, l_t, z_t)
+    vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
+    page_max = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
+    m_new = gl.maximum(m_i, page_max)
+    alpha = gl.exp2(m_i - m_new)[None, :]
+    l_t = l_t * alpha
+    z_t = z_t * alpha
     if I8:
-        r = _i8_value_scale(vbufs[2], page_max, m_new, G)
+        r = _i8_value_scale(vscale_s, page_max, m_new, G)
         i0 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
         i1 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
         i2 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
@@ -456,13 +435,24 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         acc2 = acc2 * alpha
         acc3 = acc3 * alpha
     scores = (s0, s1, s2, s3)
+    tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
+    ones = gl.full([16, G4], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
     for i in gl.static_range(4):
-        pv, l_t, z_t = _probabilities(vbufs, scores[i], m_new, i, l_t, z_t, G)
+        # the probabilities in fp16, as (token, head) operands, then times the tokens' scales and zeros in fp16
+        p = gl.convert_layout(gl.exp2(scores[i] - m_new[None, :]).to(DOT), _cols_layout(G4))
+        l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
+        z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
+        pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
+        codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
         if I8:
-            codes = vbufs[0].slice(i * D4, D4).load(_rows_layout(G // 4))
-            i0, i1, i2, i3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G // 4), i0, i1, i2, i3, G // 4)
+            i0, i1, i2, i3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G4), i0, i1, i2, i3, G4)
         else:
-            acc0, acc1, acc2, acc3 = _value_quarter(vbufs, i, pv, acc0, acc1, acc2, acc3, D, G, V_BITS)
+            pv = _b_operand(pv, G4)
+            acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4)
+            if V_BITS == 4:
+                pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
+                acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4,
+                                                        acc0, acc1, acc2, acc3, D4, G4)
     if I8:
         # back to the fp16 products' units (code * 4^j * 2^-24) and onto the running sums: two multiply-adds
         k = gl.convert_layout((2.0 ** -24) / r.to(gl.float32), gl.SliceLayout(0, mma))
@@ -471,47 +461,6 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         acc2 = _i8_accumulate(acc2, alpha, i2, k)
         acc3 = _i8_accumulate(acc3, alpha, i3, -k)                   # quarter 3 sums -64 * codes (I8_QUARTER_ASM)
     return m_new, l_t, z_t, acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _softmax_page(s0, s1, s2, s3, m_i, l_t, z_t):
-    """A page's scores against the running max m_i: (page max, new max, the rescale alpha as a (1, HEADS) row, l_t and
-    z_t rescaled)."""
-    page_max = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
-    m_new = gl.maximum(m_i, page_max)
-    alpha = gl.exp2(m_i - m_new)[None, :]
-    return page_max, m_new, alpha, l_t * alpha, z_t * alpha
-
-
-@gluon.jit
-def _probabilities(vbufs, s, m_new, i: gl.constexpr, l_t, z_t, G: gl.constexpr):
-    """Token quarter i's probabilities 2^(s - m_new) in fp16 as (token, head) operands in _cols_layout(G/4), times
-    the tokens' value scales (returned), with their sums and their sums times the zeros added to l_t and z_t (products
-    with a first operand of ones)."""
-    G4: gl.constexpr = G // 4
-    tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
-    ones = gl.full([16, G4], 1.0, DOT, gl.DotOperandLayout(0, _mma(), 2))
-    p = gl.convert_layout(gl.exp2(s - m_new[None, :]).to(DOT), _cols_layout(G4))
-    l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
-    z_t = mma_v2(ones, _b_any_order(_mul2(p, vbufs[3].slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
-    return _mul2(p, vbufs[2].slice(i * G4, G4).load(tokens)[:, None]), l_t, z_t
-
-
-@gluon.jit
-def _value_quarter(vbufs, i: gl.constexpr, pv, acc0, acc1, acc2, acc3, D: gl.constexpr, G: gl.constexpr,
-                   V_BITS: gl.constexpr):
-    """Token quarter i of the value page in vbufs times its probabilities times scales pv, added to the 4 channel
-    quarters' accumulators."""
-    D4: gl.constexpr = D // 4
-    G4: gl.constexpr = G // 4
-    pv = _b_operand(pv, G4)
-    acc0, acc1, acc2, acc3 = _tile_products(vbufs[0].slice(i * D4, D4).load(_rows_layout(G4)), pv, acc0, acc1, acc2,
-                                            acc3, D4, G4)
-    if V_BITS == 4:
-        pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
-        acc0, acc1, acc2, acc3 = _tile_products(vbufs[1].slice(i * D4, D4).load(_rows_layout(G4)), pv4, acc0, acc1,
-                                                acc2, acc3, D4, G4)
-    return acc0, acc1, acc2, acc3
 
 
 # ---------------------------------------------------------------------------------------------- slot buffers
@@ -640,160 +589,6 @@ def _tma_values(vbufs, bar, vpage, vlow_d, vhigh_d, vscale_d, vzero_d, D: gl.con
     _tma_vector(vzero_d, vpage.to(gl.int32), bar, vzero_s, G, gl.float16, 16)
 
 
-# ----------------------------------------------------------------------------- pages in halves (kernel PIPE)
-# decode_attention(kernel="gluon-tma-pipe"): the keys of the next slot are computed beside the values of this one
-# (_pipelined_slots), so that a warp always has two independent chains of products to issue from: the exact kernel's
-# arithmetic alone took longer than its copies alone (358 against 301 us at batch 64 / 32K, BENCHMARKS.md section 1,
-# session 23) at 0.46 instructions a cycle a scheduler, waiting on its own dependencies. Each page arrives in two
-# halves, each on an mbarrier of its own, and each half of a buffer is refilled as soon as it is read, half a
-# slot's arithmetic before it is needed (as the whole-page buffers are): keys, channel chunks [0, D/2) with their
-# scales and zeros (and the boosted channel ids, where one chunk of them is gathered in the first half), then [D/2, D)
-# with the high plane; values, token quarters 0-1 then 2-3 with their scales and zeros. Descriptors:
-# tma_descriptors(..., halves=True).
-@gluon.jit
-def _tma_key_half(kbufs, bar, kpage, klow_d, khigh_d, kch_d, kscale_d, kzero_d, HALF: gl.constexpr, D: gl.constexpr,
-                  G: gl.constexpr, NB: gl.constexpr):
-    """TMA of half HALF of key page `kpage` into kbufs, counted on mbarrier bar."""
-    klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
-    G4: gl.constexpr = G // 4
-    D2: gl.constexpr = D // 2
-    ROWS: gl.constexpr = G4 * D2 // TMA_ROW
-    CH_HALF: gl.constexpr = 0 if NB <= 32 else 1     # the channel ids: where the boosted operands are gathered
-    mbarrier.expect(bar, G4 * D2 + 4 * D2 + (NB if HALF == CH_HALF else 0) + (G4 * NB if HALF == 1 else 0))
-    row = kpage.to(gl.int32)
-    tma.async_copy_global_to_shared(klow_d, [row * (2 * ROWS) + HALF * ROWS, 0], bar,
-                                    klow_s._reinterpret(gl.uint8, [2 * ROWS, TMA_ROW], _tma_shared(8))
-                                    .slice(HALF * ROWS, ROWS))
-    _tma_half_vector(kscale_d, row, HALF, bar, kscale_s, D)
-    _tma_half_vector(kzero_d, row, HALF, bar, kzero_s, D)
-    if NB > 0:
-        if HALF == CH_HALF:
-            _tma_vector(kch_d, row, bar, ch_s, NB, gl.uint8, 8)
-        if HALF == 1:
-            NBC: gl.constexpr = _chunk(NB)
-            _tma_plane(khigh_d, kpage, bar, khigh_s, NB // NBC, G4, NBC)
-
-
-@gluon.jit
-def _tma_value_half(vbufs, bar, vpage, vlow_d, vhigh_d, vscale_d, vzero_d, HALF: gl.constexpr, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr):
-    """TMA of half HALF (token quarters 2 HALF and 2 HALF + 1) of value page `vpage` into vbufs, on mbarrier bar."""
-    vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    ROWS: gl.constexpr = D // 4 * G // 2 // TMA_ROW
-    mbarrier.expect(bar, ROWS * TMA_ROW * (V_BITS // 2) + 2 * G)
-    row = vpage.to(gl.int32)
-    tma.async_copy_global_to_shared(vlow_d, [row * (2 * ROWS) + HALF * ROWS, 0], bar,
-                                    vlow_s._reinterpret(gl.uint8, [2 * ROWS, TMA_ROW], _tma_shared(8))
-                                    .slice(HALF * ROWS, ROWS))
-    if V_BITS == 4:
-        tma.async_copy_global_to_shared(vhigh_d, [row * (2 * ROWS) + HALF * ROWS, 0], bar,
-                                        vhigh_s._reinterpret(gl.uint8, [2 * ROWS, TMA_ROW], _tma_shared(8))
-                                        .slice(HALF * ROWS, ROWS))
-    _tma_half_vector(vscale_d, row, HALF, bar, vscale_s, G)
-    _tma_half_vector(vzero_d, row, HALF, bar, vzero_s, G)
-
-
-@gluon.jit
-def _tma_half_vector(desc, row, HALF: gl.constexpr, bar, buf, N: gl.constexpr):
-    """Half HALF of row `row` of a (rows, N) fp16 tensor (desc: boxes of N / 2) into that half of the flat buf."""
-    tma.async_copy_global_to_shared(desc, [row, HALF * (N // 2)], bar,
-                                    buf.slice(HALF * (N // 2), N // 2)._reinterpret(gl.float16, [1, N // 2],
-                                                                                   _tma_shared(16)))
-
-
-@gluon.jit
-def _pipelined_slots(start, end, last, ktab, vtab, kbufs, vbufs, kbars, vbars, kpage, kpage_next, vpage_next, h,
-                     q_s, q_rows, hmask_b, qk_scale, kscale_rows, klow_d, khigh_d, kch_d, kscale_d, kzero_d, vlow_d,
-                     vhigh_d, vscale_d, vzero_d, H: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
-                     NB: gl.constexpr, V_BITS: gl.constexpr, COPIES: gl.constexpr):
-    """The paged slots [start, end) with the keys of slot i + 1 beside the values of slot i, in two halves a slot
-    (see _tma_key_half): the first slot's pages are on their way (both halves of each, on kbars / vbars); kpage,
-    kpage_next, vpage_next: the first slot's key page and the second slot's key and value pages. Returns (m_i, l_t,
-    z_t, acc0..acc3) as the kernel's loop leaves them. COPIES=False: the first slot's pages again and again, no
-    copies and no waits after them (bench tune --vary loads). A program with no slot computes the scores of whatever
-    its key buffer holds, and drops them."""
-    C2: gl.constexpr = D // KC // 2                  # the channel chunks of a key half
-    D4: gl.constexpr = D // 4
-    mma: gl.constexpr = _mma()
-    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    l_t = gl.zeros([16, HEADS], gl.float32, mma)
-    z_t = gl.zeros([16, HEADS], gl.float32, mma)
-    acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
-    acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
-    acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
-    acc3 = gl.zeros([D4, HEADS], gl.float32, mma)
-    if start < end:
-        mbarrier.wait(kbars[0], 0)
-        mbarrier.wait(kbars[1], 0)
-        if not COPIES:
-            mbarrier.wait(vbars[0], 0)
-            mbarrier.wait(vbars[1], 0)
-    _BARRIER()
-    s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
-    _BARRIER()
-    if COPIES and start + 1 < end:
-        _tma_key_half(kbufs, kbars[0], kpage_next, klow_d, khigh_d, kch_d, kscale_d, kzero_d, 0, D, G, NB)
-        _tma_key_half(kbufs, kbars[1], kpage_next, klow_d, khigh_d, kch_d, kscale_d, kzero_d, 1, D, G, NB)
-    # page ids: the keys computed in an iteration (slot + 1, for the boosted gather), the keys it fetches (slot + 2),
-    # the values it fetches (slot + 1); each iteration loads those of the next a slot ahead
-    kpage_after = gl.load(ktab + gl.minimum(start + 2, last)).to(gl.int64) * H + h
-    kpage = kpage_next
-    phase = 0
-    for slot in range(start, end):
-        more = COPIES and slot + 1 < end             # the values of slot + 1 to fetch
-        keys_more = COPIES and slot + 2 < end        # the keys of slot + 2 to fetch
-        kpage_later = gl.load(ktab + gl.minimum(slot + 3, last)).to(gl.int64) * H + h
-        vpage_later = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-        # half 0: the softmax, value quarters 0 and 1 of this slot, key chunks [0, C2) of the next
-        if COPIES:
-            mbarrier.wait(vbars[0], phase)
-            if slot + 1 < end:
-                mbarrier.wait(kbars[0], phase ^ 1)
-        _BARRIER()
-        b_nb = 0
-        if NB > 0 and NB <= 32:                       # gathered here, used in the second half (more: _key_boosted)
-            b_nb = _boosted_operand(kbufs[2], 0, kpage, q_rows, hmask_b, kscale_rows, D, NB)
-        page_max, m_i, alpha, l_t, z_t = _softmax_page(s0, s1, s2, s3, m_i, l_t, z_t)
-        acc0 = acc0 * alpha
-        acc1 = acc1 * alpha
-        acc2 = acc2 * alpha
-        acc3 = acc3 * alpha
-        t0, t1, t2, t3, zq = _key_sums(G)
-        scores = (s0, s1)
-        for i in gl.static_range(2):
-            pv, l_t, z_t = _probabilities(vbufs, scores[i], m_i, i, l_t, z_t, G)
-            acc0, acc1, acc2, acc3 = _value_quarter(vbufs, i, pv, acc0, acc1, acc2, acc3, D, G, V_BITS)
-        t0, t1, t2, t3, zq = _key_chunks(kbufs, q_s, 0, C2, t0, t1, t2, t3, zq, G)
-        _BARRIER()
-        if more:
-            _tma_value_half(vbufs, vbars[0], vpage_next, vlow_d, vhigh_d, vscale_d, vzero_d, 0, D, G, V_BITS)
-        if keys_more:
-            _tma_key_half(kbufs, kbars[0], kpage_after, klow_d, khigh_d, kch_d, kscale_d, kzero_d, 0, D, G, NB)
-        # half 1: value quarters 2 and 3, key chunks [C2, D / KC) and the boosted channels of the next slot
-        if COPIES:
-            mbarrier.wait(vbars[1], phase)
-            if slot + 1 < end:
-                mbarrier.wait(kbars[1], phase ^ 1)
-        _BARRIER()
-        scores = (s2, s3)
-        for i in gl.static_range(2):
-            pv, l_t, z_t = _probabilities(vbufs, scores[i], m_i, i + 2, l_t, z_t, G)
-            acc0, acc1, acc2, acc3 = _value_quarter(vbufs, i + 2, pv, acc0, acc1, acc2, acc3, D, G, V_BITS)
-        t0, t1, t2, t3, zq = _key_chunks(kbufs, q_s, C2, 2 * C2, t0, t1, t2, t3, zq, G)
-        t0, t1, t2, t3 = _key_boosted(kbufs, b_nb, kpage, q_rows, hmask_b, kscale_rows, t0, t1, t2, t3, D, G, NB)
-        s0, s1, s2, s3 = _key_finish(t0, t1, t2, t3, zq, qk_scale)
-        _BARRIER()
-        if more:
-            _tma_value_half(vbufs, vbars[1], vpage_next, vlow_d, vhigh_d, vscale_d, vzero_d, 1, D, G, V_BITS)
-        if keys_more:
-            _tma_key_half(kbufs, kbars[1], kpage_after, klow_d, khigh_d, kch_d, kscale_d, kzero_d, 1, D, G, NB)
-        phase = phase ^ 1
-        kpage = kpage_after
-        kpage_after = kpage_later
-        vpage_next = vpage_later
-    return m_i, l_t, z_t, acc0, acc1, acc2, acc3
-
-
 @gluon.jit
 def _barrier_pair():
     """Two initialised mbarriers (a key and a value buffer's), visible to TMA."""
@@ -883,12 +678,10 @@ _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 @gluon.jit
 def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
                  kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
-                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr,
-                 PIPE: gl.constexpr = False):
+                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr):
     """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split), its slot buffers
-    with the first slot's pages on their way (keys then values: _fetch_keys; with PIPE in halves, kbar and vbar
-    pairs of mbarriers), and the page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage,
-    kpage_next, vpage_next)."""
+    with the first slot's pages on their way (keys then values: _fetch_keys), and the page ids the loop starts
+    from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
     per_split = gl.cdiv(n_paged, NSPLIT)
     start = part * per_split
@@ -901,17 +694,10 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
     kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
     vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
     if start < end:
-        if PIPE:                                    # both halves of each, on their own mbarriers
-            for half in gl.static_range(2):
-                _tma_key_half(kbufs, kbar[half], kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, half, D,
-                              G, NB)
-                _tma_value_half(vbufs, vbar[half], vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, half, D, G,
-                                V_BITS)
-        else:
-            _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
-            _commit(TMA)
-            _fetch_values(vbufs, vbar, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
-            _commit(TMA)
+        _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
+        _commit(TMA)
+        _fetch_values(vbufs, vbar, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
+        _commit(TMA)
     # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use.
     # A program without slots reads no table entry (a sequence's row may have none)
     kpage_next = gl.load(ktab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
@@ -944,7 +730,7 @@ def _gluon_paged_kernel(
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
-        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, PIPE: gl.constexpr = False):
+        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
@@ -960,72 +746,61 @@ def _gluon_paged_kernel(
     part = gl.program_id(2)
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
-    if PIPE:                                        # a page in halves, each on an mbarrier (_tma_key_half)
-        kbar0, vbar0 = _barrier_pair()
-        kbar1, vbar1 = _barrier_pair()
-        kbar = (kbar0, kbar1)
-        vbar = (vbar0, vbar1)
-    elif TMA:
+    if TMA:
         kbar, vbar = _barrier_pair()
     else:
         kbar = 0                                    # cp.async groups need no barrier
         vbar = 0
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA, PIPE)
+        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA)
     q_rows, hmask_b, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
 
     mma: gl.constexpr = _mma()
-    if PIPE:
-        m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _pipelined_slots(
-            start, end, last, ktab, vtab, kbufs, vbufs, kbar, vbar, kpage, kpage_next, vpage_next, h, q_s, q_rows,
-            hmask_b, qk_scale, kscale_rows, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr,
-            vscale_ptr, vzero_ptr, H, D, G, NB, V_BITS, COPIES)
-    else:
-        m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-        l_t = gl.zeros([16, HEADS], gl.float32, mma)       # sums of p and of p * zero on every row
-        z_t = gl.zeros([16, HEADS], gl.float32, mma)
-        acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
-        acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
-        acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
-        acc3 = gl.zeros([D4, HEADS], gl.float32, mma)
-        phase = 0
-        if not COPIES:                                  # the first slot's pages, then no copies and no waits
-            _arrived(kbar, 0, TMA)
-            _arrived(vbar, 0, TMA)
-        for slot in range(start, end):
-            more = COPIES and slot + 1 < end
-            kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-            vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-            if COPIES:
-                _arrived(kbar, phase, TMA)              # this slot's keys are in (its values may not be)
-            _BARRIER()                                  # ... for every lane (and, the first time, the queries)
-            if not COMPUTE:
-                pass
-            elif I8 > 0:
-                s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
-            else:
-                s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
-            _BARRIER()                                  # every lane's key reads are done: refill the key buffer
-            if more:
-                _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
-            _commit(TMA)
-            if COPIES:
-                _arrived(vbar, phase, TMA)              # this slot's values are in (the next slot's keys may not be)
-            _BARRIER()
-            if COMPUTE:
-                m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
-                                                                        acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
-            _BARRIER()                                  # the value reads are done: refill the value buffer
-            if more:
-                _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
-            _commit(TMA)
-            phase = phase ^ 1
-            kpage = kpage_next
-            kpage_next = kpage_after
-            vpage_next = vpage_after
-        if not TMA:
-            async_copy.wait_group(0)
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+    l_t = gl.zeros([16, HEADS], gl.float32, mma)       # sums of p and of p * zero on every row
+    z_t = gl.zeros([16, HEADS], gl.float32, mma)
+    acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
+    acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
+    acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
+    acc3 = gl.zeros([D4, HEADS], gl.float32, mma)
+    phase = 0
+    if not COPIES:                                  # the first slot's pages, then no copies and no waits
+        _arrived(kbar, 0, TMA)
+        _arrived(vbar, 0, TMA)
+    for slot in range(start, end):
+        more = COPIES and slot + 1 < end
+        kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
+        vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
+        if COPIES:
+            _arrived(kbar, phase, TMA)              # this slot's keys are in (its values may not be)
+        _BARRIER()                                  # ... for every lane (and, the first time, the queries)
+        if not COMPUTE:
+            pass
+        elif I8 > 0:
+            s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+        else:
+            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+        _BARRIER()                                  # every lane's key reads are done: refill the key buffer
+        if more:
+            _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
+        _commit(TMA)
+        if COPIES:
+            _arrived(vbar, phase, TMA)              # this slot's values are in (the next slot's keys may not be)
+        _BARRIER()
+        if COMPUTE:
+            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
+        _BARRIER()                                  # the value reads are done: refill the value buffer
+        if more:
+            _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
+        _commit(TMA)
+        phase = phase ^ 1
+        kpage = kpage_next
+        kpage_next = kpage_after
+        vpage_next = vpage_after
+    if not TMA:
+        async_copy.wait_group(0)
 
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
     hmask = heads < GROUP
@@ -1054,18 +829,16 @@ SHARED_PER_SM = 228 * 1024          # H100 / H200: shared memory of a multiproce
 SHARED_RESERVED = 1024
 CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one token quarter at a time
 TMA_BARRIERS = 24                   # two 8-byte mbarriers and their alignment
-PIPE_BARRIERS = 32                  # two more (a page in halves: _pipelined_slots), as the compiler places them
 
 
-def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, pipe: bool = False) -> int:
+def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False) -> int:
     """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers, the conversion scratch
-    and, with TMA, the two mbarriers (four with pipe) as the compiler places them (the placeholders of planes the
-    method lacks are never used, and the compiler drops them; tests/test_kernels.py checks this against compiled
-    kernels)."""
+    and, with TMA, the two mbarriers as the compiler places them (the placeholders of planes the method lacks are
+    never used, and the compiler drops them; tests/test_kernels.py checks this against compiled kernels)."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + nb + 4 * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
-    return 16 * d + CONVERT_SCRATCH + key + value + (TMA_BARRIERS if use_tma else 0) + (PIPE_BARRIERS if pipe else 0)
+    return 16 * d + CONVERT_SCRATCH + key + value + (TMA_BARRIERS if use_tma else 0)
 
 
 def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
@@ -1078,29 +851,26 @@ def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     return max(1, min(by_registers, by_shared))
 
 
-def tma_descriptors(kv: PagedKV, head_dim: int, halves: bool = False) -> tuple:
+def tma_descriptors(kv: PagedKV, head_dim: int) -> tuple:
     """The page tensors as the TMA path reads them: each plane as rows of TMA_ROW bytes with a box of a page's plane
     (_tma_plane; a page's plane is one contiguous run, layout.py), each vector a 2-D view (page x head, element) with
-    a box of one row. A plane the method lacks gets the low plane's descriptor (never read). halves (the kernel's
-    PIPE): boxes of half a page's low planes and half a row of its scales and zeros (_tma_key_half)."""
+    a box of one row. A plane the method lacks gets the low plane's descriptor (never read)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     g, nb, d = kv.page_size, kv.n_boost, head_dim
-    part = 2 if halves else 1
 
-    def vector(t, columns, bits, box=None):
-        return TensorDescriptor.from_tensor(t.view(-1, columns), [1, box or columns], _tma_shared(bits))
+    def vector(t, columns, bits):
+        return TensorDescriptor.from_tensor(t.view(-1, columns), [1, columns], _tma_shared(bits))
 
     def plane(t, plane_bytes):
         rows = TMA_ROW.value
         return TensorDescriptor.from_tensor(t.view(-1, rows), [plane_bytes // rows, rows], _tma_shared(8))
 
-    klow = plane(kv.k_low, g // 4 * d // part)
-    vlow = plane(kv.v_low, d // 4 * g // part)
+    klow = plane(kv.k_low, g // 4 * d)
+    vlow = plane(kv.v_low, d // 4 * g)
     khigh = plane(kv.k_high, g // 4 * nb) if nb else klow
-    return (klow, khigh, vector(kv.k_ch, nb, 8) if nb else klow, vector(kv.k_scale, d, 16, d // part),
-            vector(kv.k_zero, d, 16, d // part), vlow,
-            plane(kv.v_high, d // 4 * g // part) if kv.v_bits == 4 else vlow,
-            vector(kv.v_scale, g, 16, g // part), vector(kv.v_zero, g, 16, g // part))
+    return (klow, khigh, vector(kv.k_ch, nb, 8) if nb else klow, vector(kv.k_scale, d, 16),
+            vector(kv.k_zero, d, 16), vlow, plane(kv.v_high, d // 4 * g) if kv.v_bits == 4 else vlow,
+            vector(kv.v_scale, g, 16), vector(kv.v_zero, g, 16))
 
 
 def page_tensors(kv: PagedKV) -> tuple:
@@ -1110,20 +880,19 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
                      use_tma: bool = False, descriptors: tuple | None = None,
-                     i8: int = 0, pipe: bool = False) -> tuple[tuple, dict]:
+                     i8: int = 0) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier with halves=pipe; else made here),
-    pipe the keys of the next slot beside the values of this one (PIPE, TMA only). Also used to compile the kernel
-    for a profile (kernels.sass_profile)."""
+    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here). Also used to
+    compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
-    pages = (descriptors or tma_descriptors(kv, d, pipe)) if use_tma else page_tensors(kv)
+    pages = (descriptors or tma_descriptors(kv, d)) if use_tma else page_tensors(kv)
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     I8=i8, PIPE=pipe)
+                     I8=i8)
     return args, constants
 
 
@@ -1136,9 +905,7 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 # decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
 # value products too
-I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2, "gluon-tma-pipe": 0}
-# ... and those that compute the next slot's keys beside this slot's values (PIPE)
-PIPELINED = ("gluon-tma-pipe",)
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
@@ -1153,12 +920,11 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
-           compute: bool = True, copies: bool = True, pipe: bool = False) -> None:
+           compute: bool = True, copies: bool = True) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
-    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only);
-    pipe: the pipelined slots (PIPELINED, with TMA only). Measurements, not attention: compute=False, the copies
-    alone (not with pipe); copies=False, the arithmetic alone."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, pipe)
+    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
+    Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone."""
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

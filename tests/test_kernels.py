@@ -479,47 +479,6 @@ def test_the_kernels_halves_keep_its_copies_or_its_products():
     assert arithmetic[:4] == [8, 2, full[2], 0] and arithmetic[4] < full[4], run.stdout
 
 
-def test_the_pipelined_kernel_keeps_the_exact_products_and_copies_pages_in_halves():
-    """Without a GPU: decode_attention(kernel="gluon-tma-pipe") (the next slot's keys beside this slot's values,
-    decode_gluon's _pipelined_slots) compiles for sm_90 with the default kernel's matrix products in its page loop,
-    no spills at the default cap, the shared memory shared_bytes plans (two more mbarriers), one chunk of boosted
-    channels or four (kitty-pro's 32, kivi-k4v4's 128, whose ids come with the second key half); each page in two
-    halves of TMA boxes; its arithmetic-only launch (COPIES=False) keeps the loop's products and copies nothing
-    after the first slot's pages."""
-    code = textwrap.dedent("""
-        import torch
-        from kernels.decode_gluon import shared_bytes
-        from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
-        for method, pipe, copies in (("kitty-pro", False, True), ("kitty-pro", True, True),
-                                     ("kitty-pro", True, False), ("kivi-k4v4", False, True), ("kivi-k4v4", True, True)):
-            compiled = compile_gluon_kernel(method, torch.bfloat16, 4, maxnreg=168, use_tma=True, pipe=pipe,
-                                            copies=copies)
-            ptx = compiled.asm["ptx"]
-            row = profile(compiled)
-            planned = shared_bytes(example_paged_kv(method, 8, 128, torch.bfloat16), 128, True, pipe)
-            print(method + ("-pipe" if pipe else "") + ("" if copies else "-arithmetic"), row["loop matrix"],
-                  row["loop local ld/st"], row["shared bytes"] - planned, ptx.count("cp.async.bulk.tensor"),
-                  ptx.count("mbarrier.try_wait"))
-    """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in run.stdout.splitlines()}
-    # (triton 3.7 keeps the keys' zero term as two 16-row products in one of the halves, 4 more HMMA than the
-    # default kernel's shared one; triton 3.6, the H200's, shares it in both: the same 168 for kitty-pro)
-    for method in ("kitty-pro", "kivi-k4v4"):
-        assert rows[method + "-pipe"][0] - rows[method][0] in (0, 4) and rows[method][0] > 0, run.stdout
-    assert all(spills == 0 and shared == 0 for _, spills, shared, _, _ in rows.values()), run.stdout
-    # a kitty-pro page in halves: keys, a low plane's half, scales' and zeros' halves, the channel ids or the high
-    # plane (4 boxes each); values, a plane's half, scales' and zeros' halves (3 each). Issued for the first slot,
-    # for the second slot's keys before the loop, and in the loop
-    page = 2 * 4 + 2 * 3
-    assert rows["kitty-pro-pipe"][3] == page + 8 + page and rows["kitty-pro-pipe"][4] == 2 + 4, run.stdout
-    # the arithmetic alone: the first slot's copies and their 4 waits, then the same products
-    assert rows["kitty-pro-pipe-arithmetic"][0] == rows["kitty-pro"][0], run.stdout
-    assert rows["kitty-pro-pipe-arithmetic"][3:] == [page, 4], run.stdout
-
-
 def test_pdl_compiles_into_the_kernels_for_hopper():
     """decode_attention(pdl=True): either paged kernel lets the remaining blocks' kernel launch at once
     (griddepcontrol.launch_dependents), which lets the merge launch at once and waits for the paged grid before it
