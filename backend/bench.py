@@ -260,7 +260,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "pdl", "i8", "loads")
+               "rest-pdl", "pdl", "i8", "loads")
 
 
 def bench_tune(args) -> dict:
@@ -291,7 +291,7 @@ def bench_tune(args) -> dict:
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False,
-                        loads=None)
+                        loads=None, rest_maxnreg=None)
 
             default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
             default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
@@ -326,6 +326,10 @@ def bench_tune(args) -> dict:
                       # (None: decode_rest.rest_warps, by the launch's programs)
                       "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
                                for w in (1, 2, 4)],
+                      # ... and beside the default kernel by PDL (the default launch), at register caps that let a
+                      # program fit beside 11 paged programs of 168 registers (one warp of at most 176), or not
+                      "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}
+                                   for w, r in ((None, None), (1, None), (1, 168), (2, 96))],
                       # the default Gluon kernel at its default cap and split, with its three launches in a row and
                       # chained by programmatic dependent launch (decode_launches' pdl)
                       "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
@@ -350,11 +354,15 @@ def bench_tune(args) -> dict:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
-                                               rest_warps=setting["rest_warps"], pdl=setting["pdl"])
+                                               rest_warps=setting["rest_warps"], pdl=setting["pdl"],
+                                               rest_maxnreg=setting["rest_maxnreg"])
                 if setting["loads"]:
                     run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"])
-                seconds = median_seconds(run, args.quick)
-                kernels = kernel_us(run) if device == "cuda" else {}
+                # each setting's launches in an NVTX range, so that Nsight Compute can profile one of them
+                # (backend.kernel_profile --command tune --nvtx-range NAME)
+                with nvtx_range(tune_range(setting), device):
+                    seconds = median_seconds(run, args.quick)
+                    kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels,
                                  paged_gbs=paged_bytes(kv) / seconds / 1e9))
@@ -367,6 +375,25 @@ def bench_tune(args) -> dict:
             if device == "cuda":
                 torch.cuda.empty_cache()
     return {"kind": "tune", "rows": rows, "env": environment()}
+
+
+def tune_range(setting: dict) -> str:
+    """The NVTX range of a tune setting's launches: its paged kernel, its half (bench tune --vary loads: copies,
+    arithmetic, or whole) and its register cap, e.g. "gluon-tma.arithmetic.168"."""
+    return f"{setting['kernel']}.{setting['loads'] or 'whole'}.{setting['maxnreg']}"
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str, device: str):
+    """An NVTX push / pop range around the block on a GPU (nothing on the CPU, which has no NVTX)."""
+    if device != "cuda":
+        yield
+        return
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
 
 
 def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str):

@@ -43,9 +43,16 @@ def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None
         "generate": [([py, "-m", "backend.bench", "generate", *shlex.split(extra),
                        "--out", str(out / f"generate{k}.json")], None) for k, extra in enumerate(args.generate)],
         "turn": [([py, "-m", "backend.bench", "turn", *shlex.split(args.turn), "--out", str(out / "turn.json")], None)],
-        "profile": [([py, "-m", "backend.kernel_profile", "--out", str(out), "--name", f"profile{k}", "--",
-                      *shlex.split(extra)], None) for k, extra in enumerate(args.profile)],
+        "profile": [([py, "-m", "backend.kernel_profile", "--out", str(out), "--name", f"profile{k}",
+                      *profile_arguments(extra)], None) for k, extra in enumerate(args.profile)],
     }
+
+
+def profile_arguments(extra: str) -> list[str]:
+    """One --profile ARGS as backend.kernel_profile's arguments: the bench's arguments, or, where ARGS holds a
+    ` -- `, kernel_profile's own options before it (--command tune --nvtx-range NAME) and the bench's after."""
+    own, _, bench = f" {extra} ".rpartition(" -- ")
+    return [*shlex.split(own), "--", *shlex.split(bench)]
 
 
 def _has_module(name: str) -> bool:
@@ -78,7 +85,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="append", metavar="ARGS",
                         help="the `bench attention` arguments of one profile (repeatable: DIR/profile<k>*, three "
                              "files each; backend.kernel_profile, Nsight Compute on one launch of the Gluon kernel; "
-                             "default: kitty-pro, batch 64, 32K tokens)")
+                             "default: kitty-pro, batch 64, 32K tokens), or kernel_profile's options, ` -- ` and the "
+                             "bench's arguments (\"--command tune --nvtx-range gluon-tma.arithmetic.168 -- --vary "
+                             "loads ...\")")
     parser.add_argument("--pytest", default="tests/test_kernels.py tests/test_cache.py tests/test_graphs.py "
                         "tests/test_flush.py",
                         help="what the tests step runs: pytest arguments (files, -k EXPR)")

@@ -1,7 +1,7 @@
 """What one decode-attention launch waits on, instruction by instruction: Nsight Compute on the GPU, summarized.
 
     python -m backend.kernel_profile --out DIR [--name profile] [--kernel-regex _gluon_paged_kernel]
-                                     [-- BENCH ATTENTION ARGS]
+                                     [--command attention|tune] [--nvtx-range NAME] [-- BENCH ARGS]
 
 Runs `ncu` (Nsight Compute, which ships with the CUDA toolkit on the device) on the first launch of the kernel
 whose name matches --kernel-regex inside `python -m backend.bench attention BENCH ATTENTION ARGS` (default: the
@@ -75,13 +75,17 @@ def summarize_source(text: str, top: int = 40) -> dict:
             "instructions": sorted(instructions, key=key)[:top]}
 
 
-def ncu_commands(work: Path, kernel_regex: str, bench_args: list[str]) -> list[list[str]]:
+def ncu_commands(work: Path, kernel_regex: str, bench_args: list[str], command: str = "attention",
+                 nvtx_range: str | None = None) -> list[list[str]]:
     """The profiling run and the two exports of its report (details as text, the source page as CSV); the report
-    and the bench's own JSON go to `work` (not the output folder: the device brings back 8 files at most)."""
+    and the bench's own JSON go to `work` (not the output folder: the device brings back 8 files at most).
+    command: the bench command run under ncu (`attention`, or `tune`, whose settings' launches each sit in an NVTX
+    range, bench.tune_range); nvtx_range: profile only a launch inside that push / pop range."""
     report = work / "profile"
+    nvtx = ["--nvtx", "--nvtx-include", f"{nvtx_range}/"] if nvtx_range else []
     profile = ["ncu", "--clock-control", "none", "-f", "-o", str(report), "-k", f"regex:{kernel_regex}", "-c", "1",
-               *[a for s in SECTIONS for a in ("--section", s)], sys.executable, "-m", "backend.bench", "attention",
-               *bench_args, "--out", str(work / "bench.json")]
+               *nvtx, *[a for s in SECTIONS for a in ("--section", s)], sys.executable, "-m", "backend.bench",
+               command, *bench_args, "--out", str(work / "bench.json")]
     details = ["ncu", "-i", f"{report}.ncu-rep", "--page", "details"]
     source = ["ncu", "-i", f"{report}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"]
     return [profile, details, source]
@@ -92,13 +96,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--name", default="profile", help="the output files' name")
     parser.add_argument("--kernel-regex", default="_gluon_paged_kernel")
+    parser.add_argument("--command", choices=["attention", "tune"], default="attention",
+                        help="the bench command to run under ncu")
+    parser.add_argument("--nvtx-range", help="profile a launch inside this NVTX range (bench tune's settings: "
+                                             "backend.bench.tune_range, e.g. gluon-tma.arithmetic.168)")
     parser.add_argument("bench", nargs=argparse.REMAINDER,
-                        help="arguments of `python -m backend.bench attention` after `--`")
+                        help="arguments of `python -m backend.bench COMMAND` after `--`")
     args = parser.parse_args(argv)
     bench_args = [a for a in args.bench if a != "--"] or DEFAULT_BENCH
     args.out.mkdir(parents=True, exist_ok=True)
     profile, details, source = ncu_commands(Path(tempfile.mkdtemp(prefix="kernel_profile")), args.kernel_regex,
-                                            bench_args)
+                                            bench_args, args.command, args.nvtx_range)
     subprocess.run(profile, check=True)
     (args.out / f"{args.name}_details.txt").write_text(subprocess.run(details, check=True, capture_output=True,
                                                                  text=True).stdout)

@@ -352,7 +352,9 @@ def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
                                         generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline="old",
                                         turn="--batch 4", attention="--kernels triton gluon",
                                         baseline_attention="--kernels gluon --methods kitty-pro",
-                                        profile=["", "--methods kivi-k2v2 --batches 8"]))
+                                        profile=["", "--methods kivi-k2v2 --batches 8",
+                                                 "--command tune --nvtx-range gluon-tma.arithmetic.168 -- --vary "
+                                                 "loads"]))
     steps = step_commands(parser_args, tmp_path)
     assert steps["baseline"][0] == ([sys.executable, "-m", "backend.bench", "attention", "--kernels", "gluon",
                                      "--methods", "kitty-pro", "--out", str(tmp_path / "baseline.json")], "old")
@@ -365,6 +367,8 @@ def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
     assert steps["tests"][0][0][-3:] == ["tests/test_kernels.py", "-k", "gluon"]
     assert steps["profile"][0][0][2:] == ["backend.kernel_profile", "--out", str(tmp_path), "--name", "profile0", "--"]
     assert steps["profile"][1][0][6:] == ["profile1", "--", "--methods", "kivi-k2v2", "--batches", "8"]
+    assert steps["profile"][2][0][6:] == ["profile2", "--command", "tune", "--nvtx-range", "gluon-tma.arithmetic.168",
+                                          "--", "--vary", "loads"]
     # a real run of one cheap step: its status line and log
     assert main(["--out", str(tmp_path / "run"), "--steps", "tune", "--tune", "--quick --vary"]) == 0
     assert "===== tune: exit 0" in (tmp_path / "run" / "log.txt").read_text()
@@ -395,6 +399,13 @@ def test_kernel_profile_sums_the_source_pages_columns_by_opcode(tmp_path):
     assert profile[0] == "ncu" and "regex:_gluon_paged_kernel" in profile and "SourceCounters" in profile
     assert profile[-5:] == ["attention", "--batches", "64", "--out", str(tmp_path / "bench.json")]
     assert details[-2:] == ["--page", "details"] and source[-4:] == ["source", "--csv", "--print-source", "sass"]
+    # bench tune's launches, one setting's: its NVTX range (bench.tune_range) selects the launch
+    from backend.bench import tune_range
+    name = tune_range(dict(kernel="gluon-tma", loads="arithmetic", maxnreg=168))
+    assert name == "gluon-tma.arithmetic.168"
+    profile = ncu_commands(tmp_path, "_gluon_paged_kernel", ["--vary", "loads"], "tune", name)[0]
+    assert profile[profile.index("--nvtx-include") + 1] == name + "/" and "--nvtx" in profile
+    assert profile[-5:] == ["tune", "--vary", "loads", "--out", str(tmp_path / "bench.json")]
 
 
 def test_local_spikes_compare_a_boundary_step_with_the_steps_around_it():
