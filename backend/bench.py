@@ -326,11 +326,10 @@ def bench_tune(args) -> dict:
                       # (None: decode_rest.rest_warps, by the launch's programs)
                       "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
                                for w in (1, 2, 4)],
-                      # ... and beside the default kernel by PDL (the default launch): the default (decode_rest's
-                      # rest_warps: one warp capped to fit beside 11 paged programs of 168 registers), one or two warps
-                      # at the compiler's registers, two capped
+                      # ... and beside the default kernel by PDL (the default launch), also at register caps that let
+                      # a program fit beside 11 paged programs of 168 registers (one warp of at most 176 registers)
                       "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}
-                                   for w, r in ((None, None), (1, None), (2, None), (2, 96))],
+                                   for w, r in ((None, None), (1, None), (1, 168), (2, 96))],
                       # the default Gluon kernel at its default cap and split, with its three launches in a row and
                       # chained by programmatic dependent launch (decode_launches' pdl)
                       "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],

@@ -666,8 +666,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
     same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
-    (choose_kernel). rest_warps / rest_maxnreg: warps a program of the remaining blocks and their register cap
-    (default: decode_rest.rest_warps; a rest_warps given alone keeps the compiler's registers). pdl: the
+    (choose_kernel). rest_warps / rest_maxnreg: warps a program of the remaining blocks (default:
+    decode_rest.rest_warps) and their register cap (default: the compiler's). pdl: the
     three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
     buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
@@ -724,8 +724,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     rest = rest_parts(kv)
     pdl = (PDL if pdl is None else pdl) and pdl_supported(q.device)
     if rest_warps is None:
-        rest_warps, default_cap = default_rest_warps(bsz * h * rest, multiprocessors(q.device), pdl)
-        rest_maxnreg = default_cap if rest_maxnreg is None else rest_maxnreg
+        rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
     workspace = workspace or DecodeWorkspace()
     parts = workspace.get(q, num_splits + rest)
     qk_scale = sm_scale * math.log2(math.e)

@@ -27,24 +27,14 @@ from .layout import PagedKV, key_offsets, value_offsets
 REST_TOKENS = 32
 
 
-# A one-warp program's register cap beside the paged kernel (PDL): beside the Gluon kernel's 11 one-warp programs of
-# 168 registers a multiprocessor (1,536 programs on 132 at batch 64), one scheduler's register file has 2 of them
-# and 5,632 registers free, 176 a thread of one warp (decode_gluon.resident_programs); at the compiler's 255 a
-# one-warp program takes more than that
-REST_MAXNREG_BESIDE = 168
-
-
-def rest_warps(programs: int, sm_count: int, beside: bool = False) -> tuple[int, int | None]:
-    """Warps of a program in a launch of `programs`, and their register cap (None: the compiler's): 4 while there is
-    at most one program a multiprocessor (batch 1 of Qwen3-8B's kitty-pro: 72 programs, 3.8 against 4.2 us); else,
-    launched beside the paged kernel by PDL (`beside`), one warp of at most REST_MAXNREG_BESIDE registers, which can
-    start in the registers the paged programs leave (measured against 2 warps at the compiler's registers, both by
-    PDL, one run: 434.8 / 437.8 us at batch 64 / 32K, 83.4 / 85.9 at 64 / 4K, 58.9 / 59.6 at 8 / 32K, 16.0 / 17.8
-    at 8 / 4K; BENCHMARKS.md section 1, session 24); else 2 (4 cost 2-4 us at batch 64, one warp at the compiler's
-    registers is slower everywhere launched after the paged kernel; sessions 12 and 13)."""
-    if programs <= sm_count:
-        return 4, None
-    return (1, REST_MAXNREG_BESIDE) if beside else (2, None)
+def rest_warps(programs: int, sm_count: int) -> int:
+    """Warps of a program in a launch of `programs`: 4 while there is at most one program a multiprocessor (batch 1
+    of Qwen3-8B's kitty-pro: 72 programs, 3.8 against 4.2 us), else 2 (4 cost 2-4 us at batch 64, 1 is slower
+    everywhere; BENCHMARKS.md section 1, sessions 12 and 13). Beside the paged kernel by PDL, one warp capped at 168
+    registers (launch_rest's maxnreg, so that it fits beside the paged programs) measured faster for kitty-pro at
+    batch 8 / 4K (15.2 against 16.9 us) and no faster or slower elsewhere (kitty 419.8 against 410.4 at 64 / 32K):
+    not taken (session 24)."""
+    return 4 if programs <= sm_count else 2
 
 
 def rest_block_tokens(page_size: int) -> int:

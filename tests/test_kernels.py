@@ -24,7 +24,7 @@ from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNRE
                                       DecodeWorkspace, balanced_splits, decode_attention, decode_attention_ref,
                                       default_splits, field_weights, gather_kv, gluon_maxnreg, merge_blocks,
                                       merge_splits, split_count, unpack_asm)
-from kernels.decode_rest import REST_MAXNREG_BESIDE, rest_blocks, rest_parts, rest_warps
+from kernels.decode_rest import rest_blocks, rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import (boost_mask, key_chunks, key_plane_shape, key_rows, pack_quarters, unpack_quarters,
@@ -585,12 +585,8 @@ def test_rest_blocks_reach_only_the_tokens_the_buffers_can_hold():
 
 
 def test_rest_warps_follow_the_launch_size():
-    """4 warps where the launch leaves a multiprocessor to a program; else one capped warp beside the paged kernel
-    (PDL), or 2 warps after it."""
-    for beside in (False, True):
-        assert rest_warps(8 * 9, 132, beside) == rest_warps(132, 132, beside) == (4, None)   # batch 1, kitty-pro
-    assert rest_warps(8 * 8 * 9, 132) == rest_warps(133, 132) == (2, None)
-    assert rest_warps(8 * 8 * 9, 132, beside=True) == (1, REST_MAXNREG_BESIDE) and REST_MAXNREG_BESIDE <= 176
+    assert rest_warps(8 * 9, 132) == 4 and rest_warps(132, 132) == 4       # batch 1 of Qwen3-8B's kitty-pro
+    assert rest_warps(8 * 8 * 9, 132) == 2 and rest_warps(133, 132) == 2
 
 
 @pytest.mark.parametrize("d", [64, 128])
