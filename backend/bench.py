@@ -260,7 +260,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "pdl", "i8", "loads")
+               "rest-pdl", "pdl", "i8", "loads", "timeline")
 
 
 def bench_tune(args) -> dict:
@@ -291,7 +291,7 @@ def bench_tune(args) -> dict:
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False,
-                        loads=None, rest_maxnreg=None)
+                        loads=None, rest_maxnreg=None, timeline=False)
 
             default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
             default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
@@ -346,7 +346,11 @@ def bench_tune(args) -> dict:
                       # (COPIES=False), at its cap and at 16 programs a multiprocessor (128 registers, with spills:
                       # whether more warps would hide its latencies)
                       "loads": [gluon(cap)] + [{**gluon(r), "loads": half} for half in ("copies", "arithmetic")
-                                               for r in (GLUON_MAXNREG, 128)]}
+                                               for r in (GLUON_MAXNREG, 128)],
+                      # when each program of the default kernel's paged launch starts and ends, and where (the launch
+                      # alone, and its arithmetic alone): how long the multiprocessors hold fewer programs than they
+                      # can (ncu: about 10 of 12 warps active on average at batch 64 / 32K, session 24)
+                      "timeline": [{**gluon(cap), "loads": half, "timeline": True} for half in ("whole", "arithmetic")]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA
@@ -356,8 +360,11 @@ def bench_tune(args) -> dict:
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                                rest_warps=setting["rest_warps"], pdl=setting["pdl"],
                                                rest_maxnreg=setting["rest_maxnreg"])
+                times = None
+                if setting["timeline"]:
+                    times = torch.zeros(batch * h * setting["splits"] * 4, dtype=torch.int64, device=device)
                 if setting["loads"]:
-                    run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"])
+                    run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times)
                 # each setting's launches in an NVTX range, so that Nsight Compute can profile one of them
                 # (backend.kernel_profile --command tune --nvtx-range NAME)
                 with nvtx_range(tune_range(setting), device):
@@ -366,6 +373,9 @@ def bench_tune(args) -> dict:
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels,
                                  paged_gbs=paged_bytes(kv) / seconds / 1e9))
+                if times is not None:
+                    rows[-1]["programs"] = timeline(times.view(-1, 4).cpu())
+                    print("    timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["programs"].items()))
                 print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}"
                                                             for k, v in setting.items())
                       + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
@@ -396,17 +406,35 @@ def nvtx_range(name: str, device: str):
         torch.cuda.nvtx.range_pop()
 
 
-def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str):
+def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, times: torch.Tensor | None = None):
     """A call of the default Gluon kernel's paged launch (TMA) that only copies its pages and waits for them (half
     "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or only computes, over its first
-    slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take)."""
+    slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take), or does both
+    ("whole": the paged launch alone, without the remaining blocks and the merge); times: each program's start,
+    end and multiprocessor (decode_gluon.launch)."""
     from kernels import decode_gluon
     b, hq, d = q.shape
     parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),
              torch.empty(b, hq, splits, device=q.device))
     descriptors = decode_gluon.tma_descriptors(kv, d)
     return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, True, descriptors,
-                                       compute=half != "copies", copies=half != "arithmetic")
+                                       compute=half != "copies", copies=half != "arithmetic", times=times)
+
+
+def timeline(times: torch.Tensor) -> dict:
+    """A launch's programs from their (start ns, end ns, multiprocessor) rows: the launch's span, how long its
+    programs took to start (the last start after the first) and to end (the last end after the first), each
+    program's time (shortest, median, longest), the programs a multiprocessor held (fewest, most) and how many it ran
+    at once on average over the span (its programs' time over the span), in µs where times."""
+    start, end, sm = times[:, 0].double() / 1e3, times[:, 1].double() / 1e3, times[:, 2]
+    span = float(end.max() - start.min())
+    took = end - start
+    per_sm = torch.bincount(sm)
+    used = per_sm[per_sm > 0]
+    return {"span_us": span, "starts_us": float(start.max() - start.min()), "ends_us": float(end.max() - end.min()),
+            "shortest_us": float(took.min()), "median_us": float(took.median()), "longest_us": float(took.max()),
+            "fewest_a_sm": float(used.min()), "most_a_sm": float(used.max()),
+            "at_once_a_sm": float(took.sum()) / span / len(used)}
 
 
 def paged_bytes(kv) -> int:

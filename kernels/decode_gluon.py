@@ -730,7 +730,7 @@ def _gluon_paged_kernel(
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
-        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True):
+        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
@@ -738,7 +738,10 @@ def _gluon_paged_kernel(
     start at once (decode_launches' pdl). Two measurements that are not attention (`python -m backend.bench tune
     --vary loads`): COMPUTE=False, the page loop's copies, waits and barriers only (the memory pipeline's own
     ceiling); COPIES=False, its products and barriers only, over the first slot's pages again and again (the
-    arithmetic's own time)."""
+    arithmetic's own time). times_ptr (a measurement, `bench tune --vary timeline`): each program writes when it
+    started and ended (%globaltimer, ns) and its multiprocessor, 4 int64 a program in grid order."""
+    if times_ptr is not None:
+        started = _globaltimer()
     if PDL:
         _launch_dependents()
     b = gl.program_id(0)
@@ -815,6 +818,23 @@ def _gluon_paged_kernel(
     gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
     gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
+    if times_ptr is not None:
+        row = times_ptr + ((b * H + h) * NSPLIT + part).to(gl.int64) * 4
+        gl.store(row, started)
+        gl.store(row + 1, _globaltimer())
+        gl.store(row + 2, _smid().to(gl.int64))
+
+
+@gluon.jit
+def _globaltimer():
+    """The GPU's nanosecond clock, read when the program gets here."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _smid():
+    """The multiprocessor the program runs on."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -920,11 +940,12 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
-           compute: bool = True, copies: bool = True) -> None:
+           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
-    Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone."""
+    Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
+    4 a program), each program's start, end and multiprocessor."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
-        *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, num_warps=1,
+        *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

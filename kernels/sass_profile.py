@@ -88,10 +88,11 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
-                         pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True):
+                         pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
+                         times: bool = False):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
-    bench tune --vary loads)."""
+    bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
@@ -101,8 +102,10 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
              torch.zeros(1, heads * group, splits))
     args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8)
     return _compile(GluonASTSource, _gluon_paged_kernel, args,
-                    {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies}, arch,
-                    {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
+                    {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies,
+                     **({} if times else {"times_ptr": None})}, arch,
+                    {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})},
+                    {"times_ptr": torch.zeros(4, dtype=torch.int64)} if times else None)
 
 
 def compile_merge_kernel(rows: int = 32, head_dim: int = 128, parts: int = 41, arch: int = 90, pdl: bool = False):
@@ -118,15 +121,17 @@ def compile_merge_kernel(rows: int = 32, head_dim: int = 128, parts: int = 41, a
     return _compile(ASTSource, _merge_splits_kernel, args, constants, arch, {"num_warps": MERGE_WARPS})
 
 
-def _compile(source_class, fn, args, constants, arch, options):
+def _compile(source_class, fn, args, constants, arch, options, named: dict | None = None):
     """triton.compile for a CUDA target without a GPU: tensors become 16-byte aligned pointers of their dtype,
-    tensor descriptors the type Triton's launcher would give them."""
+    tensor descriptors the type Triton's launcher would give them (args: the first parameters in order, named: later
+    ones by name)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
     signature, attrs = {}, {}
-    for i, (name, value) in enumerate(zip(fn.arg_names, args)):
+    for name, value in [*zip(fn.arg_names, args), *(named or {}).items()]:
+        i = fn.arg_names.index(name)
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + TRITON_TYPES[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]

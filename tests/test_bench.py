@@ -408,6 +408,18 @@ def test_kernel_profile_sums_the_source_pages_columns_by_opcode(tmp_path):
     assert profile[-5:] == ["tune", "--vary", "loads", "--out", str(tmp_path / "bench.json")]
 
 
+def test_timeline_says_how_many_programs_a_multiprocessor_ran_at_once():
+    """bench tune --vary timeline's summary of a launch's (start ns, end ns, multiprocessor) rows: two
+    multiprocessors, two programs each, over a 2 us span."""
+    from backend.bench import timeline
+    rows = torch.tensor([[0, 1000, 0], [500, 1500, 0], [0, 2000, 1], [100, 900, 1]])
+    summary = timeline(rows)
+    assert summary["span_us"] == 2.0 and summary["starts_us"] == 0.5 and summary["ends_us"] == 1.1
+    assert (summary["shortest_us"], summary["median_us"], summary["longest_us"]) == (0.8, 1.0, 2.0)
+    assert summary["fewest_a_sm"] == summary["most_a_sm"] == 2
+    assert summary["at_once_a_sm"] == 4.8 / 2.0 / 2
+
+
 def test_local_spikes_compare_a_boundary_step_with_the_steps_around_it():
     """The page-boundary bar's measure: a boundary step over the median of the ordinary steps near it, so that a
     step time growing with the context is no spike, and the first two steps (eager, graph capture) count for

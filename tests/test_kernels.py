@@ -480,6 +480,24 @@ def test_the_kernels_halves_keep_its_copies_or_its_products():
     assert arithmetic[:4] == [8, 2, full[2], 0] and arithmetic[4] < full[4], run.stdout
 
 
+def test_the_kernels_timeline_reads_the_clock_outside_its_loop():
+    """Without a GPU: with times_ptr (bench tune --vary timeline) the paged kernel reads %globaltimer when a program
+    starts and ends and %smid once, and its page loop is the same instructions as without."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.sass_profile import compile_gluon_kernel, profile
+        for times in (False, True):
+            compiled = compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, times=times)
+            ptx = compiled.asm["ptx"]
+            print(profile(compiled)["loop instructions"], ptx.count("%globaltimer"), ptx.count("%smid"))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    without, with_times = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
+    assert without[1:] == [0, 0] and with_times[1:] == [2, 1] and with_times[0] == without[0], run.stdout
+
+
 def test_pdl_compiles_into_the_kernels_for_hopper():
     """decode_attention(pdl=True): either paged kernel lets the remaining blocks' kernel launch at once
     (griddepcontrol.launch_dependents), which lets the merge launch at once and waits for the paged grid before it
