@@ -275,7 +275,6 @@ def bench_tune(args) -> dict:
     method = (args.methods or ["kitty-pro"])[0]
     sm_count = multiprocessors(torch.device(device))
     from kernels.decode_gluon import resident_programs as gluon_resident
-    from kernels.decode_gluon import DYNAMIC
     from kernels.decode_gluon import supports_tma as gluon_supports_tma
     rows = []
     for length in lengths:
@@ -351,11 +350,7 @@ def bench_tune(args) -> dict:
                       # when each program of the default kernel's paged launch starts and ends, and where (the launch
                       # alone, and its arithmetic alone): how long the multiprocessors hold fewer programs than they
                       # can (ncu: about 10 of 12 warps active on average at batch 64 / 32K, session 24)
-                      # (and of the kernel whose programs take their slots as they go, gluon-tma-dyn, beside the
-                      # default whole)
-                      "timeline": [{**gluon(cap, kernel=k), "loads": half, "timeline": True}
-                                   for k, half in ((default_gluon, "whole"), ("gluon-tma-dyn", "whole"),
-                                                   (default_gluon, "arithmetic"))]}
+                      "timeline": [{**gluon(cap), "loads": half, "timeline": True} for half in ("whole", "arithmetic")]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA
@@ -369,8 +364,7 @@ def bench_tune(args) -> dict:
                 if setting["timeline"]:
                     times = torch.zeros(batch * h * setting["splits"] * 4, dtype=torch.int64, device=device)
                 if setting["loads"]:
-                    run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
-                                     setting["kernel"] in DYNAMIC)
+                    run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times)
                 # each setting's launches in an NVTX range, so that Nsight Compute can profile one of them
                 # (backend.kernel_profile --command tune --nvtx-range NAME)
                 with nvtx_range(tune_range(setting), device):
@@ -412,23 +406,19 @@ def nvtx_range(name: str, device: str):
         torch.cuda.nvtx.range_pop()
 
 
-def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, times: torch.Tensor | None = None,
-               dynamic: bool = False):
+def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, times: torch.Tensor | None = None):
     """A call of the default Gluon kernel's paged launch (TMA) that only copies its pages and waits for them (half
     "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or only computes, over its first
     slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take), or does both
     ("whole": the paged launch alone, without the remaining blocks and the merge); times: each program's start,
-    end and multiprocessor (decode_gluon.launch); dynamic: the slots taken from counters (gluon-tma-dyn, whole
-    only)."""
+    end and multiprocessor (decode_gluon.launch)."""
     from kernels import decode_gluon
     b, hq, d = q.shape
     parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),
              torch.empty(b, hq, splits, device=q.device))
     descriptors = decode_gluon.tma_descriptors(kv, d)
-    counters = torch.zeros(2 * b * kv.k_fp.shape[1], dtype=torch.int32, device=q.device) if dynamic else None
     return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, True, descriptors,
-                                       compute=half != "copies", copies=half != "arithmetic", times=times,
-                                       counters=counters)
+                                       compute=half != "copies", copies=half != "arithmetic", times=times)
 
 
 def timeline(times: torch.Tensor) -> dict:

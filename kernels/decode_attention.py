@@ -546,7 +546,6 @@ class DecodeWorkspace:
         self.buffers: tuple[torch.Tensor, ...] = ()
         self.descriptor_key: tuple | None = None
         self.descriptors: tuple = ()
-        self.slot_counters: torch.Tensor | None = None
 
     def get(self, q: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, ...]:
         bsz, hq, d = q.shape
@@ -557,14 +556,6 @@ class DecodeWorkspace:
             part_m = torch.empty((bsz, hq, num_parts), dtype=torch.float32, device=q.device)
             self.buffers = (part_o, part_m, torch.empty_like(part_m), torch.empty_like(q))
         return self.buffers
-
-    def counters(self, rows: int, device: torch.device) -> torch.Tensor:
-        """Two int32 zeros a (sequence, KV head) for kernel="gluon-tma-dyn" (slots taken, programs done), which each
-        launch leaves zero again; kept between calls like the buffers."""
-        if self.slot_counters is None or self.slot_counters.numel() < 2 * rows or \
-                self.slot_counters.device != device:
-            self.slot_counters = torch.zeros(2 * rows, dtype=torch.int32, device=device)
-        return self.slot_counters
 
     def tma_descriptors(self, kv: PagedKV, head_dim: int) -> tuple:
         """decode_gluon.tma_descriptors(kv, head_dim), made again only when a page tensor has moved or changed
@@ -601,7 +592,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-dyn")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -624,9 +615,7 @@ GLUON_MAXNREG_FEW = 192
 # 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
 # kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
 # section 3, `python -m backend.bench quality`)
-# "gluon-tma-dyn": the default kernel with each program taking its (sequence, KV head)'s slots one at a time from a
-# counter in the workspace (decode_gluon.DYNAMIC: why, there). An experiment until the H200 says it is faster.
-GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-dyn")
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
@@ -676,8 +665,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     on the H200: MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
-    same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback), "gluon-tma-dyn"
-    (slots taken from counters as the programs go; the same fallback) or "auto"
+    same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
     (choose_kernel). rest_warps / rest_maxnreg: warps a program of the remaining blocks (default:
     decode_rest.rest_warps) and their register cap (default: the compiler's). pdl: the
     three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
@@ -755,11 +743,9 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         use_tma = kernel != "gluon"
         descriptors = workspace.tma_descriptors(kv, d) if use_tma else None
 
-        counters = workspace.counters(bsz * h, q.device) if kernel in decode_gluon.DYNAMIC else None
-
         def paged():
             decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, pdl,
-                                decode_gluon.I8_PRODUCTS[kernel], counters=counters)
+                                decode_gluon.I8_PRODUCTS[kernel])
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
 

@@ -677,24 +677,15 @@ _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 @gluon.jit
 def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
-                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, counters_ptr,
-                 H: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr,
-                 TMA: gl.constexpr):
-    """Program (b, h, part)'s paged slots: its first two, start and second, and the end, [start, end) with the
-    Triton kernel's _program_slots split, or (counters_ptr: kernel="gluon-tma-dyn") the first two slots it takes and
-    the sequence's paged slots; its slot buffers with the first slot's pages on their way (keys then values:
-    _fetch_keys), and the page ids the loop starts from: (start, second, end, last, ktab, vtab, kbufs, vbufs, kpage,
-    kpage_next, vpage_next)."""
+                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
+                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr):
+    """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split), its slot buffers
+    with the first slot's pages on their way (keys then values: _fetch_keys), and the page ids the loop starts
+    from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
-    if counters_ptr is None:
-        per_split = gl.cdiv(n_paged, NSPLIT)
-        start = part * per_split
-        second = start + 1
-        end = gl.minimum(start + per_split, n_paged)
-    else:
-        start = _take_slot(counters_ptr + 2 * (b * H + h))
-        second = _take_slot(counters_ptr + 2 * (b * H + h))
-        end = n_paged
+    per_split = gl.cdiv(n_paged, NSPLIT)
+    start = part * per_split
+    end = gl.minimum(start + per_split, n_paged)
     last = gl.maximum(end - 1, 0)
     ktab = ktab_ptr + b * KMP
     vtab = vtab_ptr + b * VMP
@@ -709,9 +700,9 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
         _commit(TMA)
     # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use.
     # A program without slots reads no table entry (a sequence's row may have none)
-    kpage_next = gl.load(ktab + gl.minimum(second, last), mask=start < end, other=0).to(gl.int64) * H + h
-    vpage_next = gl.load(vtab + gl.minimum(second, last), mask=start < end, other=0).to(gl.int64) * H + h
-    return start, second, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next
+    kpage_next = gl.load(ktab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
+    vpage_next = gl.load(vtab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
+    return start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next
 
 
 @gluon.jit
@@ -739,7 +730,7 @@ def _gluon_paged_kernel(
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
-        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, counters_ptr=None):
+        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
@@ -763,9 +754,9 @@ def _gluon_paged_kernel(
     else:
         kbar = 0                                    # cp.async groups need no barrier
         vbar = 0
-    start, second, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
+    start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, counters_ptr, H, D, G, NB, V_BITS, TMA)
+        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA)
     q_rows, hmask_b, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
 
     mma: gl.constexpr = _mma()
@@ -780,42 +771,37 @@ def _gluon_paged_kernel(
     if not COPIES:                                  # the first slot's pages, then no copies and no waits
         _arrived(kbar, 0, TMA)
         _arrived(vbar, 0, TMA)
-    if counters_ptr is None:
-        for slot in range(start, end):
-            more = COPIES and slot + 1 < end
-            kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-            vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _slot(
-                kbufs, vbufs, kbar, vbar, phase, more, kpage, kpage_next, vpage_next, q_s, q_rows, hmask_b, qk_scale,
-                kscale_rows, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr,
-                vzero_ptr, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D, G, NB, V_BITS, TMA, I8, COMPUTE, COPIES)
-            phase = phase ^ 1
-            kpage = kpage_next
-            kpage_next = kpage_after
-            vpage_next = vpage_after
-    else:
-        # slots taken one at a time from the (sequence, KV head)'s counter, two ahead of their use (their page ids
-        # are loaded a slot ahead, as above), until none is left
-        counter = counters_ptr + 2 * (b * H + h)
-        slot = start
-        after = _take_slot(counter)
-        while slot < end:
-            more = second < end
-            kpage_after = gl.load(ktab + gl.minimum(after, last)).to(gl.int64) * H + h
-            vpage_after = gl.load(vtab + gl.minimum(after, last)).to(gl.int64) * H + h
-            later = _take_slot(counter)
-            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _slot(
-                kbufs, vbufs, kbar, vbar, phase, more, kpage, kpage_next, vpage_next, q_s, q_rows, hmask_b, qk_scale,
-                kscale_rows, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr,
-                vzero_ptr, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D, G, NB, V_BITS, TMA, I8, COMPUTE, COPIES)
-            phase = phase ^ 1
-            slot = second
-            second = after
-            after = later
-            kpage = kpage_next
-            kpage_next = kpage_after
-            vpage_next = vpage_after
-        _release_slots(counter, NSPLIT)
+    for slot in range(start, end):
+        more = COPIES and slot + 1 < end
+        kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
+        vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
+        if COPIES:
+            _arrived(kbar, phase, TMA)              # this slot's keys are in (its values may not be)
+        _BARRIER()                                  # ... for every lane (and, the first time, the queries)
+        if not COMPUTE:
+            pass
+        elif I8 > 0:
+            s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+        else:
+            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+        _BARRIER()                                  # every lane's key reads are done: refill the key buffer
+        if more:
+            _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
+        _commit(TMA)
+        if COPIES:
+            _arrived(vbar, phase, TMA)              # this slot's values are in (the next slot's keys may not be)
+        _BARRIER()
+        if COMPUTE:
+            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
+        _BARRIER()                                  # the value reads are done: refill the value buffer
+        if more:
+            _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
+        _commit(TMA)
+        phase = phase ^ 1
+        kpage = kpage_next
+        kpage_next = kpage_after
+        vpage_next = vpage_after
     if not TMA:
         async_copy.wait_group(0)
 
@@ -849,55 +835,6 @@ def _globaltimer():
 def _smid():
     """The multiprocessor the program runs on."""
     return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _slot(kbufs, vbufs, kbar, vbar, phase, more, kpage, kpage_next, vpage_next, q_s, q_rows, hmask_b, qk_scale,
-          kscale_rows, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
-          m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-          V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr, COMPUTE: gl.constexpr, COPIES: gl.constexpr):
-    """One paged slot: its keys' scores from kbufs, then the key buffer refilled with page kpage_next (if `more`),
-    its values accumulated from vbufs, then the value buffer refilled with vpage_next (if `more`); phase: the
-    mbarriers' phase of this slot's pages. Returns the running max, sums and accumulators."""
-    if COPIES:
-        _arrived(kbar, phase, TMA)                  # this slot's keys are in (its values may not be)
-    _BARRIER()                                      # ... for every lane (and, the first time, the queries)
-    if not COMPUTE:
-        pass
-    elif I8 > 0:
-        s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
-    else:
-        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
-    _BARRIER()                                      # every lane's key reads are done: refill the key buffer
-    if more:
-        _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
-    _commit(TMA)
-    if COPIES:
-        _arrived(vbar, phase, TMA)                  # this slot's values are in (the next slot's keys may not be)
-    _BARRIER()
-    if COMPUTE:
-        m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1,
-                                                                acc2, acc3, D, G, V_BITS, I8 == 2)
-    _BARRIER()                                      # the value reads are done: refill the value buffer
-    if more:
-        _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
-    _commit(TMA)
-    return m_i, l_t, z_t, acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _take_slot(counter):
-    """The next paged slot of a (sequence, KV head) that no program has taken (kernel="gluon-tma-dyn")."""
-    return gl.atomic_add(counter, 1, sem="relaxed")
-
-
-@gluon.jit
-def _release_slots(counter, NSPLIT):
-    """A program is done taking slots; the last of a (sequence, KV head)'s NSPLIT programs sets its counters back to
-    0 for the next launch (every program's takes are done before its count: acq_rel)."""
-    if gl.atomic_add(counter + 1, 1, sem="acq_rel") == NSPLIT - 1:
-        gl.atomic_xchg(counter, 0, sem="relaxed")
-        gl.atomic_xchg(counter + 1, 0, sem="relaxed")
 
 
 @gluon.jit
@@ -988,12 +925,7 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 # decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
 # value products too
-I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2, "gluon-tma-dyn": 0}
-# ... and those whose programs take a (sequence, KV head)'s slots one at a time from a counter (counters_ptr) instead
-# of a fixed share: with fixed shares, programs of equal work ended 143 us apart in a 355 us launch at batch 64 / 32K
-# (213 to 355 us each), a multiprocessor running 9.8 of its 11-12 programs on average (bench tune --vary timeline,
-# BENCHMARKS.md section 1, session 24); taken as they go, a program that runs faster takes more slots.
-DYNAMIC = ("gluon-tma-dyn",)
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
@@ -1008,16 +940,12 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
-           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None,
-           counters: torch.Tensor | None = None) -> None:
+           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
-    4 a program), each program's start, end and multiprocessor. counters (int32, 2 a (sequence, KV head), zero
-    before the first launch and left zero by each): the slots taken as the programs go (DYNAMIC; with the copies
-    and the products only)."""
+    4 a program), each program's start, end and multiprocessor."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
-        *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, counters_ptr=counters,
-        num_warps=1,
+        *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
