@@ -722,13 +722,13 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     if maxnreg is None:
         maxnreg = gluon_maxnreg(q, kv, num_splits) if kernel in GLUON_KERNELS else MAXNREG
     rest = rest_parts(kv)
-    pdl = (PDL if pdl is None else pdl) and pdl_supported(q.device)
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
     workspace = workspace or DecodeWorkspace()
     parts = workspace.get(q, num_splits + rest)
     qk_scale = sm_scale * math.log2(math.e)
     dot = dot_dtype(q.dtype)
+    pdl = (PDL if pdl is None else pdl) and pdl_supported(q.device)
 
     # Without PDL the remaining blocks go first: at batch 1 they are as long as the paged slots' programs of a
     # 4K-token sequence. (Other ways to run them beside the paged kernel, measured and not kept: on a second stream,

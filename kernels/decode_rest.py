@@ -192,9 +192,8 @@ def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part
                 num_warps: int, pdl: bool = False, maxnreg: int | None = None) -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program;
     pdl: by programmatic dependent launch, beside the paged slots' kernel launched just before; maxnreg: a register
-    cap per thread (a program small enough to fit beside the paged kernel's, whose 11 or 12 one-warp programs of 168
-    registers leave at most one scheduler's quarter of a multiprocessor's registers, 5,632, free: bench tune --vary
-    rest)."""
+    cap per thread (a one-warp program of at most 176 fits beside 11 paged programs of 168 registers, which leave one
+    scheduler 5,632 registers: bench tune --vary rest-pdl)."""
     args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl)
     _rest_kernel[(q.shape[0], kv.k_fp.shape[1], rest_parts(kv))](*args, **constants, num_warps=num_warps,
                                                                  **({"launch_pdl": True} if pdl else {}),

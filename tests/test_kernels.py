@@ -358,7 +358,7 @@ def test_i8_reference_rounds_the_operands_it_says():
 @pytest.mark.parametrize("rest_warps, rest_maxnreg", [(1, None), (2, None), (4, None), (1, 168), (2, 96)])
 def test_remaining_blocks_warps(kernel, rest_warps, rest_maxnreg):
     """The remaining blocks' launch (decode_rest.py) with each warp count a program (the default here, 54 programs:
-    4), and at the register caps bench tune --vary rest measures: the same output up to the order of float sums."""
+    4), and at the register caps bench tune --vary rest-pdl measures: the same output up to the order of float sums."""
     kv, _, _ = random_paged_kv([4100, 300, 1], heads=2, head_dim=128, sink=32, page_size=128, window=128, k_bits=2,
                                v_bits=2, n_boost=32, dtype=torch.bfloat16, seed=5, device=DEVICE)
     q = torch.randn(3, 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
