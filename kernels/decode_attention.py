@@ -702,8 +702,9 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     pdl (Hopper and later, compiled; ignored elsewhere): the paged slots' kernel first, then the remaining blocks'
     and the merge, each launched by programmatic dependent launch beside the one before it. The remaining blocks
     read nothing the paged kernel writes: their programs start as soon as every paged program has started (at batch
-    1 the GPU is mostly idle then), and each waits for the paged grid only before it ends; the merge starts early
-    too and waits for both grids before it reads a partial. Why: at batch 1 / 4K a call is three latency-bound
+    1 the GPU is mostly idle then) or, where the paged programs fill the multiprocessors, as they end, and the last
+    of them waits for the paged grid before it ends; the merge starts early too and waits for both grids before it
+    reads a partial. Why: at batch 1 / 4K a call is three latency-bound
     launches in a row, 3.8 + 4.8 + 1.7 us and about 1 us of gaps, against SDPA's 9.2 (BENCHMARKS.md section 1,
     session 18)."""
     if kernel not in KERNELS:

@@ -77,8 +77,11 @@ def _rest_kernel(
     Blocks 0 .. cdiv(sink, T) - 1 are the sink's; then each slot after the paged ones (n_paged = min(n_kpages,
     n_vpages)) gives cdiv(G, T) blocks of T consecutive tokens. A block past the sequence's end writes an empty
     partial (max -inf, which the merge weighs 0). PDL: launched beside the paged slots' kernel (decode_launches'
-    pdl): the merge after it may start at once, and each program waits for the paged grid before it ends, so that
-    this grid's end (what the merge waits for) means both are done."""
+    pdl): the merge after it may start at once, and the grid's last program waits for the paged grid before it
+    ends, so that this grid's end (what the merge waits for) means both are done. Only one program waits: while
+    every program waited, the programs that had started held their multiprocessors' registers until the paged grid
+    ended, and the rest could not start before then (at batch 64 the call took the paged kernel's time plus this
+    one's, 382.5 + 31.5 us at 32K: BENCHMARKS.md section 1, session 25)."""
     if PDL:
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -166,7 +169,8 @@ def _rest_kernel(
     tl.store(pl_ptr + idx, tl.sum(p, axis=1), mask=hmask)
     tl.store(po_ptr + idx[:, None] * D + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
     if PDL:
-        gdc_wait()
+        if (b == tl.num_programs(0) - 1) & (h == tl.num_programs(1) - 1) & (j == tl.num_programs(2) - 1):
+            gdc_wait()
 
 
 def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,

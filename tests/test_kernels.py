@@ -530,13 +530,17 @@ def test_pdl_compiles_into_the_kernels_for_hopper():
                     reason="programmatic dependent launch needs a Hopper or later GPU")
 @pytest.mark.parametrize("kernel", ["auto", "triton"])
 def test_decode_attention_with_pdl_equals_without(kernel):
-    """The same partials in either launch order, so the same output to the bit (one sequence, as at batch 1, and a
-    ragged batch with a sequence shorter than a page), also under a CUDA graph as decode steps replay it, and with
-    the partials poisoned first: a merge that read before a partial was written would differ."""
-    for lengths in ([4100], [4100, 300, 1]):
-        kv, _, _ = random_paged_kv(lengths, heads=2, head_dim=128, n_boost=32, seed=5, device=DEVICE,
-                                   dtype=torch.bfloat16)
-        q = torch.randn(len(lengths), 8, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
+    """The same partials in either launch order, so the same output to the bit (one sequence, as at batch 1, a
+    ragged batch with a sequence shorter than a page, and 48 sequences of 8 KV heads whose paged programs fill the
+    multiprocessors while the remaining blocks' programs end long before them), also under a CUDA graph as decode
+    steps replay it, and with the partials poisoned first: a merge that read before a partial was written would
+    differ."""
+    for lengths, heads in (([4100], 2), ([4100, 300, 1], 2), ([8200] * 48, 8)):
+        kv, _, _ = random_paged_kv(lengths[:1] if len(set(lengths)) == 1 else lengths, heads=heads, head_dim=128,
+                                   n_boost=32, seed=5, device=DEVICE, dtype=torch.bfloat16)
+        kv = same_sequences(kv, len(lengths)) if len(set(lengths)) == 1 else kv
+        q = torch.randn(len(lengths), 4 * heads, 128, generator=torch.Generator().manual_seed(2))
+        q = q.to(torch.bfloat16).to(DEVICE)
         plain = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=False).clone()     # PDL is the default
         workspace = DecodeWorkspace()
         decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=True, workspace=workspace)
@@ -549,6 +553,14 @@ def test_decode_attention_with_pdl_equals_without(kernel):
                 buffer.fill_(float("nan"))
             graph.replay()
             torch.testing.assert_close(out, plain, atol=0, rtol=0)
+
+
+def same_sequences(kv, n: int):
+    """A one-sequence cache as n sequences that read the same pages (their tables point at them) and buffers."""
+    rows = lambda t: t.repeat(n, *([1] * (t.dim() - 1)))  # noqa: E731
+    return dataclasses.replace(kv, k_fp=rows(kv.k_fp), v_fp=rows(kv.v_fp), k_table=rows(kv.k_table),
+                               v_table=rows(kv.v_table), seq_len=rows(kv.seq_len), n_kpages=rows(kv.n_kpages),
+                               n_vpages=rows(kv.n_vpages))
 
 
 def test_default_splits_are_the_h200_sweeps_best():
