@@ -260,7 +260,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "pdl", "i8", "loads", "timeline")
+               "rest-pdl", "pdl", "i8", "loads", "timeline", "pad")
 
 
 def bench_tune(args) -> dict:
@@ -291,7 +291,7 @@ def bench_tune(args) -> dict:
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False,
-                        loads=None, rest_maxnreg=None, timeline=False)
+                        loads=None, rest_maxnreg=None, timeline=False, pad=None)
 
             default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
             default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
@@ -350,7 +350,12 @@ def bench_tune(args) -> dict:
                       # when each program of the default kernel's paged launch starts and ends, and where (the launch
                       # alone, and its arithmetic alone): how long the multiprocessors hold fewer programs than they
                       # can (ncu: about 10 of 12 warps active on average at batch 64 / 32K, session 24)
-                      "timeline": [{**gluon(cap), "loads": half, "timeline": True} for half in ("whole", "arithmetic")]}
+                      "timeline": [{**gluon(cap), "loads": half, "timeline": True} for half in ("whole", "arithmetic")],
+                      # what one more instruction of each kind costs the default kernel's paged launch: 64 and 128
+                      # more LOP3 (the integer pipe, as the unpacking's ANDs), FFMA (the multiply-add pipe) a page,
+                      # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD)
+                      "pad": [{**gluon(cap), "loads": "whole", "pad": pad} for pad in (
+                          None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16))]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA
@@ -364,7 +369,8 @@ def bench_tune(args) -> dict:
                 if setting["timeline"]:
                     times = torch.zeros(batch * h * setting["splits"] * 4, dtype=torch.int64, device=device)
                 if setting["loads"]:
-                    run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times)
+                    run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
+                                     setting["pad"])
                 # each setting's launches in an NVTX range, so that Nsight Compute can profile one of them
                 # (backend.kernel_profile --command tune --nvtx-range NAME)
                 with nvtx_range(tune_range(setting), device):
@@ -406,19 +412,21 @@ def nvtx_range(name: str, device: str):
         torch.cuda.nvtx.range_pop()
 
 
-def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, times: torch.Tensor | None = None):
+def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, times: torch.Tensor | None = None,
+               pad: tuple[str, int] | None = None):
     """A call of the default Gluon kernel's paged launch (TMA) that only copies its pages and waits for them (half
     "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or only computes, over its first
     slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take), or does both
     ("whole": the paged launch alone, without the remaining blocks and the merge); times: each program's start,
-    end and multiprocessor (decode_gluon.launch)."""
+    end and multiprocessor; pad: (kind, instructions a page) added that change nothing (decode_gluon.launch)."""
     from kernels import decode_gluon
     b, hq, d = q.shape
     parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),
              torch.empty(b, hq, splits, device=q.device))
     descriptors = decode_gluon.tma_descriptors(kv, d)
     return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, True, descriptors,
-                                       compute=half != "copies", copies=half != "arithmetic", times=times)
+                                       compute=half != "copies", copies=half != "arithmetic", times=times,
+                                       pad=pad)
 
 
 def timeline(times: torch.Tensor) -> dict:

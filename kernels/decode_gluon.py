@@ -723,7 +723,7 @@ def _queries(q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
     return q_rows, hmask_b, q_s
 
 
-@gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART"])
+@gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART", "pad_zero"])
 def _gluon_paged_kernel(
         q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kscale_rows,
@@ -732,7 +732,8 @@ def _gluon_paged_kernel(
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
-        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None):
+        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, PAD: gl.constexpr = "",
+        PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
@@ -741,7 +742,10 @@ def _gluon_paged_kernel(
     --vary loads`): COMPUTE=False, the page loop's copies, waits and barriers only (the memory pipeline's own
     ceiling); COPIES=False, its products and barriers only, over the first slot's pages again and again (the
     arithmetic's own time). times_ptr (a measurement, `bench tune --vary timeline`): each program writes when it
-    started and ended (%globaltimer, ns) and its multiprocessor, 4 int64 a program in grid order."""
+    started and ended (%globaltimer, ns) and its multiprocessor, 4 int64 a program in grid order. PAD / PAD_N (a
+    measurement, `bench tune --vary pad`): PAD_N more instructions a page of one kind ("alu": LOP3, "fma": FFMA,
+    "mma": HMMA) on the scores, that add nothing (pad_zero, 0 at run time, masks them out): what one more instruction
+    of each kind costs this kernel (_pad)."""
     if times_ptr is not None:
         started = _globaltimer()
     if PDL:
@@ -786,6 +790,8 @@ def _gluon_paged_kernel(
             s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         else:
             s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+            if PAD_N > 0:
+                s0 = _pad(s0, pad_zero, PAD, PAD_N)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
         if more:
             _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
@@ -825,6 +831,40 @@ def _gluon_paged_kernel(
         gl.store(row, started)
         gl.store(row + 1, _globaltimer())
         gl.store(row + 2, _smid().to(gl.int64))
+
+
+@gluon.constexpr_function
+def _pad_asm(kind, n):
+    """n instructions of `kind` on a register of x ($1) that leave it as it was, given $2 = 0 at run time (which
+    the compiler cannot know): a chain a = f(a, $2, $1), then $0 = x from a and $2."""
+    step, last = {"alu": ("lop3.b32 a, a, $2, $1, 0x96;", "and.b32 a, a, $2; xor.b32 $0, $1, a;"),
+                  "fma": ("fma.rn.f32 a, a, $2, $1;", "fma.rn.f32 $0, a, $2, $1;")}[kind]
+    return "{ .reg .b32 a; mov.b32 a, $1; " + step * n + last + " }"
+
+
+@gluon.jit
+def _pad(x, zero, KIND: gl.constexpr, N: gl.constexpr):
+    """x, a (G/4, HEADS) score tile, through N more instructions of KIND a page (see _gluon_paged_kernel's PAD), in
+    independent chains of its elements (N / 8 each, 8 a thread at pages of 128) or, for "mma", N products of ones
+    and a zero operand added to it (the compiler computes the tile's equal 16-row halves once: one instruction a
+    product; kernels.sass_profile counts them)."""
+    R: gl.constexpr = x.shape[0]
+    if KIND == "mma":
+        ones = gl.full([R, 16], 1.0, DOT, gl.DotOperandLayout(0, _mma(), 2))
+        b = gl.full([16, HEADS], 1.0, DOT, gl.DotOperandLayout(1, _mma(), 2)) * zero.to(DOT)
+        acc = gl.zeros(x.shape, gl.float32, _mma())
+        for i in gl.static_range(N):
+            acc = mma_v2(ones, b, acc)
+        return x + acc
+    else:
+        per: gl.constexpr = N * 32 // (R * HEADS)
+        z = gl.full(x.shape, 0, gl.int32, x.type.layout) + zero
+        if KIND == "fma":
+            z = z.to(gl.float32)
+        else:
+            x = x.to(gl.int32, bitcast=True)
+        y = gl.inline_asm_elementwise(_pad_asm(KIND, per), "=r,r,r", [x, z], dtype=x.dtype, is_pure=False, pack=1)
+        return y.to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -942,12 +982,15 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
-           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None) -> None:
+           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None,
+           pad: tuple[str, int] | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
-    4 a program), each program's start, end and multiprocessor."""
+    4 a program), each program's start, end and multiprocessor; pad (kind, instructions a page): the kernel's
+    PAD / PAD_N."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
-        *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, num_warps=1,
+        *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times,
+        **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

@@ -89,10 +89,11 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
                          pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
-                         times: bool = False):
+                         times: bool = False, pad: tuple[str, int] | None = None):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
-    bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline)."""
+    bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline; pad:
+    (kind, instructions a page) more, --vary pad)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
@@ -103,9 +104,10 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8)
     return _compile(GluonASTSource, _gluon_paged_kernel, args,
                     {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies,
-                     **({} if times else {"times_ptr": None})}, arch,
+                     **({} if times else {"times_ptr": None}), "PAD": pad[0] if pad else "",
+                     "PAD_N": pad[1] if pad else 0}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})},
-                    {"times_ptr": torch.zeros(4, dtype=torch.int64)} if times else None)
+                    {**({"times_ptr": torch.zeros(4, dtype=torch.int64)} if times else {}), "pad_zero": 0})
 
 
 def compile_merge_kernel(rows: int = 32, head_dim: int = 128, parts: int = 41, arch: int = 90, pdl: bool = False):

@@ -498,6 +498,44 @@ def test_the_kernels_timeline_reads_the_clock_outside_its_loop():
     assert without[1:] == [0, 0] and with_times[1:] == [2, 1] and with_times[0] == without[0], run.stdout
 
 
+def test_padded_kernels_add_the_instructions_they_say():
+    """Without a GPU: the measurement of what one more instruction costs (decode_gluon's PAD, bench tune --vary
+    pad) adds to the page loop the LOP3, FFMA or HMMA instructions it is asked for, and few others."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.sass_profile import compile_gluon_kernel, profile
+        for pad in (None, ("alu", 64), ("fma", 64), ("mma", 8)):
+            row = profile(compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, pad=pad))
+            print(row["loop instructions"], row["loop integer"], row["loop float"], row["loop matrix"])
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    plain, alu, fma, mma = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
+    assert 64 <= alu[1] - plain[1] <= 68 and alu[0] - plain[0] <= 68, run.stdout
+    assert 64 <= fma[2] - plain[2] <= 76 and fma[0] - plain[0] <= 80, run.stdout
+    assert mma[3] - plain[3] == 8 and mma[0] - plain[0] <= 32, run.stdout
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the TMA kernel runs on Hopper GPUs only")
+def test_padded_kernels_compute_the_same_partials():
+    """On the H200: each pad of bench tune --vary pad leaves the paged launch's partials as they were, to the bit."""
+    from kernels import decode_gluon
+    kv, _, _ = random_paged_kv([4100, 900], heads=2, head_dim=128, sink=32, page_size=128, window=128, n_boost=32,
+                               dtype=torch.bfloat16, seed=6, device=DEVICE)
+    q = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
+    results = []
+    for pad in (None, ("alu", 64), ("fma", 64), ("mma", 8)):
+        parts = (torch.full((2, 8, 3, 128), float("nan"), device=DEVICE), torch.full((2, 8, 3), float("nan"),
+                 device=DEVICE), torch.full((2, 8, 3), float("nan"), device=DEVICE))
+        decode_gluon.launch(q, kv, 0.1, parts, 3, 168, use_tma=True, pad=pad)
+        results.append(parts)
+    for parts in results[1:]:
+        for got, want in zip(parts, results[0]):
+            torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+
+
 def test_pdl_compiles_into_the_kernels_for_hopper():
     """decode_attention(pdl=True): either paged kernel lets the remaining blocks' kernel launch at once
     (griddepcontrol.launch_dependents), which lets the merge launch at once and waits for the paged grid before it
