@@ -80,8 +80,9 @@ def _rest_kernel(
     pdl): the merge after it may start at once, and the grid's last program waits for the paged grid before it
     ends, so that this grid's end (what the merge waits for) means both are done. Only one program waits: while
     every program waited, the programs that had started held their multiprocessors' registers until the paged grid
-    ended, and the rest could not start before then (at batch 64 the call took the paged kernel's time plus this
-    one's, 382.5 + 31.5 us at 32K: BENCHMARKS.md section 1, session 25)."""
+    ended, and the rest could not start before then (kivi-k2v2 at batch 64 / 4K: 70.0 us a call then, 65.0 now; at
+    64 / 32K this grid's work runs inside the paged kernel's time and lengthens it by about its own cost, 31.5 us:
+    BENCHMARKS.md section 1, session 25)."""
     if PDL:
         gdc_launch_dependents()
     b = tl.program_id(0)
