@@ -2,6 +2,7 @@
 
     TRITON_INTERPRET=0 python -m kernels.sass_profile [--method kitty-pro ...] [--dtype bf16] [--group 4] [--arch 90]
                                                       [--kernel triton|gluon|rest] [--warps N] [--maxnreg N]
+                                                      [--opcodes]
 
 Prints registers per thread, spill stack, shared memory and the kernel's instructions by class, for the whole
 kernel and for the body of its loop over paged blocks ("loop ...": what one page costs a warp) (matrix,
@@ -167,6 +168,7 @@ def profile(compiled) -> dict:
     row["loop instructions"] = sum(loop.values())
     row.update({f"loop {name}": sum(loop[op] for op in ops) for name, ops in CLASSES.items()})
     row["loop integer matrix"] = loop["IMMA"]          # of "loop matrix": the 8-bit products (gluon-tma-i8k / i8)
+    row["loop opcodes"] = dict(loop.most_common())       # every opcode of a page, the most frequent first
     return row
 
 
@@ -204,6 +206,10 @@ def main(argv=None) -> int:
                         help="decode_attention's kernel over the paged blocks (gluon, gluon-tma: "
                              "kernels/decode_gluon.py), or the one over the remaining blocks (rest: "
                              "kernels/decode_rest.py, no loop)")
+    parser.add_argument("--opcodes", action="store_true",
+                        help="also print the page loop's count of every opcode (which pipe a page fills: LOP3 / SHF / "
+                             "PRMT on the integer pipe, HMMA on the matrix unit, FFMA / HMUL2 on the multiply-add "
+                             "pipe; bench tune --vary pad measures what one more of some of them costs)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's "
                              "choice)")
@@ -228,7 +234,10 @@ def main(argv=None) -> int:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg)
         row = profile(compiled)
+        opcodes = row.pop("loop opcodes")
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        if args.opcodes:
+            print(f"{'':>10}  loop opcodes: " + ", ".join(f"{op} {n}" for op, n in opcodes.items()), flush=True)
     return 0
 
 

@@ -764,12 +764,15 @@ def test_gather_kv_puts_every_token_in_order():
 def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     """`python -m kernels.sass_profile` compiles the real kernel for sm_90 and reads its SASS: the counts are
     those of a working kernel (matrix instructions, registers within the 255 limit) and of its loop over paged
-    blocks, which holds its products; interpreted mode is refused."""
+    blocks, which holds its products, and with --opcodes every opcode of that loop; interpreted mode is refused."""
     cmd = [sys.executable, "-m", "kernels.sass_profile", "--method", "kivi-k2v2", "--dtype", "fp16"]
-    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"},
-                         timeout=300)
+    run = subprocess.run(cmd + ["--opcodes"], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    counts = {k: int(v) for k, v in re.findall(r"([a-z][a-z .\-/]*?) (\d+)", run.stdout.split(":", 1)[1])}
+    row, opcodes = run.stdout.splitlines()
+    counts = {k: int(v) for k, v in re.findall(r"([a-z][a-z .\-/]*?) (\d+)", row.split(":", 1)[1])}
+    loop = {op: int(n) for op, n in re.findall(r"([A-Z][A-Z0-9_]*) (\d+)", opcodes.split(":", 1)[1])}
+    assert sum(loop.values()) == counts["loop instructions"] and loop["HMMA"] == counts["loop matrix"], run.stdout
     assert 0 < counts["registers"] <= 255 and counts["matrix"] > 0 and counts["instructions"] > 100, run.stdout
     # the loop over paged blocks: part of the kernel, with its matrix products and pipelined page loads
     assert 100 < counts["loop instructions"] < counts["instructions"], run.stdout
