@@ -573,11 +573,11 @@ def test_decode_attention_with_pdl_equals_without(kernel):
     multiprocessors while the remaining blocks' programs end long before them), also under a CUDA graph as decode
     steps replay it, and with the partials poisoned first: a merge that read before a partial was written would
     differ."""
-    for lengths, heads in (([4100], 2), ([4100, 300, 1], 2), ([8200] * 48, 8)):
-        kv, _, _ = random_paged_kv(lengths[:1] if len(set(lengths)) == 1 else lengths, heads=heads, head_dim=128,
-                                   n_boost=32, seed=5, device=DEVICE, dtype=torch.bfloat16)
-        kv = same_sequences(kv, len(lengths)) if len(set(lengths)) == 1 else kv
-        q = torch.randn(len(lengths), 4 * heads, 128, generator=torch.Generator().manual_seed(2))
+    for lengths, heads, copies in (([4100], 2, 1), ([4100, 300, 1], 2, 1), ([8200], 8, 48)):
+        kv, _, _ = random_paged_kv(lengths, heads=heads, head_dim=128, n_boost=32, seed=5, device=DEVICE,
+                                   dtype=torch.bfloat16)
+        kv = same_sequences(kv, copies)
+        q = torch.randn(len(lengths) * copies, 4 * heads, 128, generator=torch.Generator().manual_seed(2))
         q = q.to(torch.bfloat16).to(DEVICE)
         plain = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=False).clone()     # PDL is the default
         workspace = DecodeWorkspace()
@@ -594,7 +594,8 @@ def test_decode_attention_with_pdl_equals_without(kernel):
 
 
 def same_sequences(kv, n: int):
-    """A one-sequence cache as n sequences that read the same pages (their tables point at them) and buffers."""
+    """A cache's sequences n times over, each copy reading the same pages (their tables point at them) and buffers
+    (n = 1: the cache as it is)."""
     rows = lambda t: t.repeat(n, *([1] * (t.dim() - 1)))  # noqa: E731
     return dataclasses.replace(kv, k_fp=rows(kv.k_fp), v_fp=rows(kv.v_fp), k_table=rows(kv.k_table),
                                v_table=rows(kv.v_table), seq_len=rows(kv.seq_len), n_kpages=rows(kv.n_kpages),
