@@ -704,9 +704,8 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     read nothing the paged kernel writes: their programs start as soon as every paged program has started (at batch
     1 the GPU is mostly idle then) or, where the paged programs fill the multiprocessors, as they end, and the last
     of them waits for the paged grid before it ends; the merge starts early too and waits for both grids before it
-    reads a partial. Why: at batch 1 / 4K a call is three latency-bound
-    launches in a row, 3.8 + 4.8 + 1.7 us and about 1 us of gaps, against SDPA's 9.2 (BENCHMARKS.md section 1,
-    session 18)."""
+    reads a partial. Why: at batch 1 / 4K a call is three latency-bound launches in a row, 3.8 + 4.8 + 1.7 us and
+    about 1 us of gaps, against SDPA's 9.2 (BENCHMARKS.md section 1, session 18)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     bsz, hq, d = q.shape
