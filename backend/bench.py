@@ -260,7 +260,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "pdl", "i8", "pair", "loads", "timeline", "pad")
+               "rest-pdl", "pdl", "i8", "loads", "timeline", "pad")
 
 
 def bench_tune(args) -> dict:
@@ -339,9 +339,6 @@ def bench_tune(args) -> dict:
                       # with the default kernel at its own cap for the same run
                       "i8": [gluon(cap)] + [gluon(r, kernel=k) for k in ("gluon-tma-i8k", "gluon-tma-i8")
                                             for r in (GLUON_MAXNREG, 128)],
-                      # the paired quarters (decode_gluon's PAIR) against the default kernel, at the default cap and at
-                      # 128 registers (16 programs a multiprocessor: its page loop spills 4 loads and stores there)
-                      "pair": [gluon(cap)] + [gluon(r, kernel="gluon-tma-pair") for r in (GLUON_MAXNREG, 128)],
                       # the memory pipeline's ceiling: the default Gluon kernel's paged launch with its copies and
                       # barriers and no products (decode_gluon's COMPUTE=False; not attention), at the splits of 12
                       # and 16 programs a multiprocessor (its own registers never limit it), beside the whole kernel;

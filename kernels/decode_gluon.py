@@ -127,10 +127,6 @@ def _b_operand(x, K: gl.constexpr):
 
 
 HEADS = gl.constexpr(HEADS_PER_TILE)
-# Paired quarters (PAIR, kernel="gluon-tma-pair", KV groups of at most HALF heads): a tile's columns HALF.. are the
-# same heads again, so that one accumulator holds two token quarters' scores, I in columns 0-3 and I + 2 in columns
-# 4-7, and the softmax's exponentials, maxima and conversions run on half as many tiles (see _key_scores).
-HALF = gl.constexpr(HEADS_PER_TILE // 2)
 
 
 @gluon.jit
@@ -211,14 +207,12 @@ def _chunk(K):
 
 @gluon.jit
 def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                NB: gl.constexpr, PAIR: gl.constexpr = False):
+                NB: gl.constexpr):
     """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
-    accumulator tiles; with PAIR two tiles, quarters 0 and 2 in the first (columns 0-3 and 4-7), 1 and 3 in the
-    second. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS) (with PAIR each head
-    twice, _queries), taken times qk_scale / Q_SCALE in the fp32 sums; q_rows / hmask_b: (1, HEADS) pointers to the
-    query rows and the real heads, for the boosted channels' gather."""
+    accumulator tiles. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS), taken times
+    qk_scale / Q_SCALE in the fp32 sums; q_rows / hmask_b: (1, HEADS) pointers to the query rows and the real heads,
+    for the boosted channels' gather."""
     G4: gl.constexpr = G // 4
-    CH: gl.constexpr = D // KC
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
     vec: gl.constexpr = gl.SliceLayout(1, cols)
@@ -234,7 +228,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
     # conversion and a multiply-add per element and a reduction over lanes
     zq = gl.zeros([G4, HEADS], gl.float32, mma)
     ones = gl.full([G4, KC], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
-    for c in gl.static_range(CH):
+    for c in gl.static_range(D // KC):
         q = q_s.index(c).load(cols)                     # the operands in fp16 arithmetic: 2 elements an instruction
         zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
         b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC)
@@ -249,39 +243,8 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
                                             G4, NBC)
     scale = qk_scale * (1.0 / Q_SCALE)
     zq = zq * scale
-    if PAIR:
-        # every column holds a real head (_queries): quarter i's columns 0-3 and quarter i + 2's columns 4-7, the
-        # others weighed 0 (a multiply-add each, as many as without pairs; separate accumulators keep the products'
-        # four independent chains)
-        scores = (s0 * _half_weight(0, 0, scale) + (s2 * _half_weight(2, 1, scale) + zq),
-                  s1 * _half_weight(1, 0, scale) + (s3 * _half_weight(3, 1, scale) + zq))
-    else:
-        scores = (s0 * (_pick(QUARTER_WEIGHT, 0) * scale) + zq, s1 * (_pick(QUARTER_WEIGHT, 1) * scale) + zq,
-                  s2 * (_pick(QUARTER_WEIGHT, 2) * scale) + zq, s3 * (_pick(QUARTER_WEIGHT, 3) * scale) + zq)
-    return scores
-
-
-@gluon.jit
-def _half_weight(I: gl.constexpr, HIGH: gl.constexpr, scale):
-    """(1, HEADS) weights of quarter I's accumulator in a pair: its weight times scale in columns 4-7 (HIGH) or 0-3,
-    0 in the others."""
-    n = gl.arange(0, HEADS, layout=gl.SliceLayout(0, _mma()))
-    return gl.where((n >= HALF) == HIGH, _pick(QUARTER_WEIGHT, I) * scale, 0.0)[None, :]
-
-
-@gluon.jit
-def _other_half(x):
-    """A (HEADS,) vector in the accumulator's column layout -> its columns n ^ 4 (each thread holds columns 2c, 2c + 1
-    for c = lane % 4: lane ^ 2 holds them)."""
-    return gl.inline_asm_elementwise(asm="shfl.sync.bfly.b32 $0, $1, 2, 0x1f, -1;", constraints="=r,r", args=[x],
-                                     dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _swap_halves(p):
-    """A (tokens, HEADS) fp16 tile in _cols_layout -> its columns n ^ 4 (thread (c, n) is lane c + 4n: lane ^ 16)."""
-    return gl.inline_asm_elementwise(asm="shfl.sync.bfly.b32 $0, $1, 16, 0x1f, -1;", constraints="=r,r", args=[p],
-                                     dtype=DOT, is_pure=True, pack=2)
+    return (s0 * (_pick(QUARTER_WEIGHT, 0) * scale) + zq, s1 * (_pick(QUARTER_WEIGHT, 1) * scale) + zq,
+            s2 * (_pick(QUARTER_WEIGHT, 2) * scale) + zq, s3 * (_pick(QUARTER_WEIGHT, 3) * scale) + zq)
 
 
 # ------------------------------------------------------------------------------------ 8-bit key products (I8)
@@ -374,7 +337,7 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: 
         amax = gl.maximum(amax, gl.max(gl.abs(b), axis=0))
         bs = bs + (b,)
     if NB > 0:
-        b_nb = _boosted_fp16(ch_s, 0, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
+        b_nb = _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
         amax = gl.maximum(amax, gl.max(gl.abs(b_nb), axis=0))
     # IEEE division (not the approximate one of `/`), so that kernels/i8_reference.py can round the same integers
     r = gl.div_rn(gl.full([HEADS], 127.0, gl.float32, amax.type.layout), amax.to(gl.float32)).to(DOT)
@@ -423,11 +386,11 @@ def _i8_accumulate(acc, alpha, s, k):
 
 
 @gluon.jit
-def _boosted_fp16(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
-    """Boosted-channel chunk c's second operand before its layout: 4 * Q_SCALE * q_ch * scale_ch (NBC, HEADS), fp16
-    in _cols_layout(NBC), gathered from the query rows and the page's scales in global memory (L1 / L2)."""
-    lay: gl.constexpr = _cols_layout(NBC)
-    ch = ch_s.slice(c * NBC, NBC).load(gl.SliceLayout(1, lay)).to(gl.int32)
+def _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NB: gl.constexpr):
+    """The boosted channels' second operand before its layout: 4 * Q_SCALE * q_ch * scale_ch (NB, HEADS), fp16 in
+    _cols_layout(NB)."""
+    lay: gl.constexpr = _cols_layout(NB)
+    ch = ch_s.load(gl.SliceLayout(1, lay)).to(gl.int32)
     ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
     q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None], mask=gl.convert_layout(hmask_b, lay), other=0.0)
     return (q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT)
@@ -435,92 +398,73 @@ def _boosted_fp16(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, 
 
 @gluon.jit
 def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
-    """The second operand of boosted-channel chunk c (_boosted_fp16 in the operand's layout)."""
-    return _b_operand(_boosted_fp16(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D, NBC), NBC)
+    """The second operand of boosted-channel chunk c: 4 * Q_SCALE * q_ch * scale_ch (NBC, HEADS), gathered from the
+    query rows and the page's scales in global memory (L1 / L2)."""
+    lay: gl.constexpr = _cols_layout(NBC)
+    ch = ch_s.slice(c * NBC, NBC).load(gl.SliceLayout(1, lay)).to(gl.int32)
+    ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
+    q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None], mask=gl.convert_layout(hmask_b, lay), other=0.0)
+    return _b_operand((q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT), NBC)
 
 
 @gluon.jit
-def _value_products(vbufs, scores, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr, G: gl.constexpr,
-                    V_BITS: gl.constexpr, I8: gl.constexpr, PAIR: gl.constexpr = False):
-    """The online softmax over a page's 4 score quarters (full pages: no token masked; `scores` as _key_scores gives
-    them) and the value page in vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) +=
-    codes (channel, token) @ (p * scale) (token, head). The sums of p and of p * zero are products with a first
-    operand of ones (l_t, z_t: (16 * warps, HEADS) tiles, every row the sum; with PAIR, l_t's columns 4-7 hold the
-    sums of quarters 2 and 3, which the caller adds to columns 0-3 at the end). Returns the new running max, l_t, z_t
-    and the 4 channel quarters' accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on
-    every page: skipping the pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond
-    noise on the H200 (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in
-    8-bit integers, p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a
-    page."""
+def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
+                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr):
+    """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
+    vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
+    (p * scale) (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t:
+    (16 * warps, HEADS) tiles, every row the sum). Returns the new running max, l_t, z_t and the 4 channel quarters'
+    accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the
+    pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200
+    (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers,
+    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page."""
+    G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    if PAIR:
-        page_max = gl.max(gl.maximum(scores[0], scores[1]), axis=0)
-        page_max = gl.maximum(page_max, _other_half(page_max))          # each head's columns n and n + 4
-    else:
-        page_max = gl.max(gl.maximum(gl.maximum(scores[0], scores[1]), gl.maximum(scores[2], scores[3])), axis=0)
+    page_max = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
     m_new = gl.maximum(m_i, page_max)
     alpha = gl.exp2(m_i - m_new)[None, :]
     l_t = l_t * alpha
     z_t = z_t * alpha
-    r = 0
     if I8:
         r = _i8_value_scale(vscale_s, page_max, m_new, G)
-        a0 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
-        a1 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
-        a2 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
-        a3 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
+        i0 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
+        i1 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
+        i2 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
+        i3 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
     else:
-        a0 = acc0 * alpha
-        a1 = acc1 * alpha
-        a2 = acc2 * alpha
-        a3 = acc3 * alpha
-    ones = gl.full([16, G // 4], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
-    for j in gl.static_range(2 if PAIR else 4):
-        # the probabilities in fp16, as (token, head) operands
-        p = gl.convert_layout(gl.exp2(scores[j] - m_new[None, :]).to(DOT), _cols_layout(G // 4))
-        l_t = mma_v2(ones, _b_any_order(p, G // 4), l_t)
-        z_t, a0, a1, a2, a3 = _value_quarter(vbufs, p, j, r, z_t, a0, a1, a2, a3, D, G, V_BITS, I8)
-        if PAIR:
-            # quarter j + 2's probabilities, from columns 4-7 to 0-3
-            z_t, a0, a1, a2, a3 = _value_quarter(vbufs, _swap_halves(p), j + 2, r, z_t, a0, a1, a2, a3, D, G,
-                                                 V_BITS, I8)
+        acc0 = acc0 * alpha
+        acc1 = acc1 * alpha
+        acc2 = acc2 * alpha
+        acc3 = acc3 * alpha
+    scores = (s0, s1, s2, s3)
+    tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
+    ones = gl.full([16, G4], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
+    for i in gl.static_range(4):
+        # the probabilities in fp16, as (token, head) operands, then times the tokens' scales and zeros in fp16
+        p = gl.convert_layout(gl.exp2(scores[i] - m_new[None, :]).to(DOT), _cols_layout(G4))
+        l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
+        z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
+        pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
+        codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
+        if I8:
+            i0, i1, i2, i3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G4), i0, i1, i2, i3, G4)
+        else:
+            pv = _b_operand(pv, G4)
+            acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4)
+            if V_BITS == 4:
+                pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
+                acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4,
+                                                        acc0, acc1, acc2, acc3, D4, G4)
     if I8:
         # back to the fp16 products' units (code * 4^j * 2^-24) and onto the running sums: two multiply-adds
         k = gl.convert_layout((2.0 ** -24) / r.to(gl.float32), gl.SliceLayout(0, mma))
-        a0 = _i8_accumulate(acc0, alpha, a0, k)
-        a1 = _i8_accumulate(acc1, alpha, a1, k)
-        a2 = _i8_accumulate(acc2, alpha, a2, k)
-        a3 = _i8_accumulate(acc3, alpha, a3, -k)                     # quarter 3 sums -64 * codes (I8_QUARTER_ASM)
-    return m_new, l_t, z_t, a0, a1, a2, a3
-
-
-@gluon.jit
-def _value_quarter(vbufs, p, i: gl.constexpr, r, z_t, a0, a1, a2, a3, D: gl.constexpr, G: gl.constexpr,
-                   V_BITS: gl.constexpr, I8: gl.constexpr):
-    """Token quarter i of the value page in vbufs with its probabilities p ((G/4, HEADS) fp16 in _cols_layout):
-    z_t += ones @ (p * zero), and the 4 channel quarters' a_j += codes @ (p * scale) (with I8 in 8-bit integers,
-    p * scale times the heads' r)."""
-    G4: gl.constexpr = G // 4
-    D4: gl.constexpr = D // 4
-    vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
-    ones = gl.full([16, G4], 1.0, DOT, gl.DotOperandLayout(0, _mma(), 2))
-    # times the tokens' scales and zeros in fp16
-    z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
-    pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
-    codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
-    if I8:
-        a0, a1, a2, a3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G4), a0, a1, a2, a3, G4)
-    else:
-        pv = _b_operand(pv, G4)
-        a0, a1, a2, a3 = _tile_products(codes, pv, a0, a1, a2, a3, D4, G4)
-        if V_BITS == 4:
-            pv4 = pv * 4.0                                                         # the high bits weigh 4 (exact)
-            a0, a1, a2, a3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4, a0, a1, a2, a3,
-                                            D4, G4)
-    return z_t, a0, a1, a2, a3
+        acc0 = _i8_accumulate(acc0, alpha, i0, k)
+        acc1 = _i8_accumulate(acc1, alpha, i1, k)
+        acc2 = _i8_accumulate(acc2, alpha, i2, k)
+        acc3 = _i8_accumulate(acc3, alpha, i3, -k)                   # quarter 3 sums -64 * codes (I8_QUARTER_ASM)
+    return m_new, l_t, z_t, acc0, acc1, acc2, acc3
 
 
 # ---------------------------------------------------------------------------------------------- slot buffers
@@ -767,19 +711,16 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
 
 @gluon.jit
 def _queries(q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, lay: gl.constexpr,
-             shared: gl.constexpr, PAIR: gl.constexpr = False):
+             shared: gl.constexpr):
     """The group's queries times Q_SCALE in fp16, chunk by chunk into shared memory (D / KC, KC, HEADS) written
-    from registers in `lay`; heads past the group are zero. With PAIR, column n is head n % HALF (_key_scores).
-    Returns (1, HEADS) pointers to each column's query row and whether it is a real head (in `lay`), and the shared
-    memory."""
-    CH: gl.constexpr = D // KC
-    n = gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay))[None, :]
-    head = n % HALF if PAIR else n
-    q_rows = q_ptr + ((b * H + h) * GROUP + head).to(gl.int64) * D
-    hmask_b = head < GROUP
-    q_s = gl.allocate_shared_memory(DOT, [CH, KC, HEADS], shared)
+    from registers in `lay`; heads past the group are zero. Returns (1, HEADS) pointers to the query rows and the
+    real heads (in `lay`) and the shared memory."""
+    heads_q = gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay))
+    q_rows = q_ptr + ((b * H + h) * GROUP + heads_q[None, :]).to(gl.int64) * D
+    hmask_b = heads_q[None, :] < GROUP
+    q_s = gl.allocate_shared_memory(DOT, [D // KC, KC, HEADS], shared)
     d = gl.arange(0, KC, layout=gl.SliceLayout(1, lay))
-    for c in gl.static_range(CH):
+    for c in gl.static_range(D // KC):
         q_s.index(c).store((gl.load(q_rows + c * KC + d[:, None], mask=hmask_b, other=0.0) * Q_SCALE).to(DOT))
     return q_rows, hmask_b, q_s
 
@@ -792,8 +733,7 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PAIR: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, PAD: gl.constexpr = "",
         PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
@@ -825,7 +765,7 @@ def _gluon_paged_kernel(
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
         kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA)
-    q_rows, hmask_b, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared(), PAIR)
+    q_rows, hmask_b, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
 
     mma: gl.constexpr = _mma()
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
@@ -849,11 +789,11 @@ def _gluon_paged_kernel(
         if not COMPUTE:
             pass
         elif I8 > 0:
-            scores = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+            s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         else:
-            scores = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB, PAIR)
+            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
             if PAD_N > 0:
-                scores = (_pad(scores[0], pad_zero, PAD, PAD_N),) + scores[1:]
+                s0 = _pad(s0, pad_zero, PAD, PAD_N)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
         if more:
             _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
@@ -862,8 +802,8 @@ def _gluon_paged_kernel(
             _arrived(vbar, phase, TMA)              # this slot's values are in (the next slot's keys may not be)
         _BARRIER()
         if COMPUTE:
-            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, scores, m_i, l_t, z_t, acc0, acc1, acc2,
-                                                                    acc3, D, G, V_BITS, I8 == 2, PAIR)
+            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -879,10 +819,7 @@ def _gluon_paged_kernel(
     hmask = heads < GROUP
     idx = ((b * H + h) * GROUP + heads).to(gl.int64) * NPART + part
     gl.store(pm_ptr + idx, m_i, mask=hmask)
-    l_i = gl.max(l_t, axis=0)                                           # rows all equal: any one of them
-    if PAIR:
-        l_i = l_i + _other_half(l_i)                                    # quarters 2 and 3 (_value_products)
-    gl.store(pl_ptr + idx, l_i, mask=hmask)
+    gl.store(pl_ptr + idx, gl.max(l_t, axis=0), mask=hmask)           # rows all equal: any one of them
     c = gl.arange(0, D4, layout=gl.SliceLayout(1, mma))
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
@@ -1007,12 +944,11 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
                      use_tma: bool = False, descriptors: tuple | None = None,
-                     i8: int = 0, pair: bool = False) -> tuple[tuple, dict]:
+                     i8: int = 0) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here), pair the paired
-    quarters (PAIR, where the KV group fits: paired). Also used to compile the kernel for a profile
-    (kernels.sass_profile)."""
+    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here). Also used to
+    compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -1020,7 +956,7 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     I8=i8, PAIR=pair and paired(q, kv))
+                     I8=i8)
     return args, constants
 
 
@@ -1033,14 +969,7 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 # decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
 # value products too
-I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-pair": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
-# ... and those with paired quarters (PAIR: an experiment, session 26)
-PAIRED_KERNELS = ("gluon-tma-pair",)
-
-
-def paired(q: torch.Tensor, kv: PagedKV) -> bool:
-    """Whether a KV group is small enough for paired quarters (PAIR): at most HALF heads."""
-    return q.shape[1] // kv.k_fp.shape[1] <= HALF.value
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
@@ -1056,13 +985,13 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
            compute: bool = True, copies: bool = True, times: torch.Tensor | None = None,
-           pad: tuple[str, int] | None = None, pair: bool = False) -> None:
+           pad: tuple[str, int] | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
     4 a program), each program's start, end and multiprocessor; pad (kind, instructions a page): the kernel's
-    PAD / PAD_N; pair: the paired quarters (kernel_arguments)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, pair)
+    PAD / PAD_N."""
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times,
         **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,
