@@ -260,7 +260,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "pdl", "i8", "fsum", "loads", "timeline", "pad")
+               "rest-pdl", "pdl", "i8", "loads", "timeline", "pad")
 
 
 def bench_tune(args) -> dict:
@@ -339,8 +339,6 @@ def bench_tune(args) -> dict:
                       # with the default kernel at its own cap for the same run
                       "i8": [gluon(cap)] + [gluon(r, kernel=k) for k in ("gluon-tma-i8k", "gluon-tma-i8")
                                             for r in (GLUON_MAXNREG, 128)],
-                      # the sums of p by multiply-adds (decode_gluon's FSUMS) against the default kernel, at its cap
-                      "fsum": [gluon(cap), gluon(cap, kernel="gluon-tma-fsum")],
                       # the memory pipeline's ceiling: the default Gluon kernel's paged launch with its copies and
                       # barriers and no products (decode_gluon's COMPUTE=False; not attention), at the splits of 12
                       # and 16 programs a multiprocessor (its own registers never limit it), beside the whole kernel;

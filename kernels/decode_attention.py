@@ -592,7 +592,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-fsum", "gluon-tma-i8k", "gluon-tma-i8")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -615,10 +615,7 @@ GLUON_MAXNREG_FEW = 192
 # 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
 # kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
 # section 3, `python -m backend.bench quality`)
-# "gluon-tma-fsum": "gluon-tma" with the sums of p and of p * zero as fp32 multiply-adds instead of products with
-# ones (decode_gluon's FSUMS: 16 fewer matrix products a page of 128). An experiment (session 26) until the H200 says
-# which is faster
-GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-fsum", "gluon-tma-i8k", "gluon-tma-i8")
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
@@ -667,8 +664,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     Gluon kernel's programs are one warp); maxnreg: the paged slots' kernel's register cap per thread (defaults tuned
     on the H200: MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
-    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-fsum" (the same with the sums
-    of p by multiply-adds, an experiment), "gluon-tma-i8k" / "gluon-tma-i8" (the
+    "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
     same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
     (choose_kernel). rest_warps / rest_maxnreg: warps a program of the remaining blocks (default:
     decode_rest.rest_warps) and their register cap (default: the compiler's). pdl: the
@@ -749,7 +745,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
 
         def paged():
             decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, pdl,
-                                decode_gluon.I8_PRODUCTS[kernel], fsums=kernel in decode_gluon.FSUM_KERNELS)
+                                decode_gluon.I8_PRODUCTS[kernel])
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
 

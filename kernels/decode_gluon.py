@@ -409,7 +409,7 @@ def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexp
 
 @gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr, FSUMS: gl.constexpr = False):
+                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
     vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
     (p * scale) (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t:
@@ -417,9 +417,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the
     pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200
     (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers,
-    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. FSUMS
-    (kernel="gluon-tma-fsum", an experiment): the sums of p and of p * zero in fp32 multiply-adds on the
-    probabilities' accumulator tiles instead ((G/4, HEADS) tiles l_t, z_t, summed over their rows at the end)."""
+    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -445,14 +443,9 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     ones = gl.full([16, G4], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
     for i in gl.static_range(4):
         # the probabilities in fp16, as (token, head) operands, then times the tokens' scales and zeros in fp16
-        e = gl.exp2(scores[i] - m_new[None, :])
-        p = gl.convert_layout(e.to(DOT), _cols_layout(G4))
-        if FSUMS:
-            l_t = l_t + e
-            z_t = gl.fma(e, vzero_s.slice(i * G4, G4).load(gl.SliceLayout(1, mma)).to(gl.float32)[:, None], z_t)
-        else:
-            l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
-            z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
+        p = gl.convert_layout(gl.exp2(scores[i] - m_new[None, :]).to(DOT), _cols_layout(G4))
+        l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
+        z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
         pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
         codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
         if I8:
@@ -740,8 +733,7 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, FSUMS: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, PAD: gl.constexpr = "",
         PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
@@ -777,9 +769,8 @@ def _gluon_paged_kernel(
 
     mma: gl.constexpr = _mma()
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    SUM_ROWS: gl.constexpr = G4 if FSUMS else 16
-    l_t = gl.zeros([SUM_ROWS, HEADS], gl.float32, mma)  # sums of p and of p * zero on every row (FSUMS: over rows)
-    z_t = gl.zeros([SUM_ROWS, HEADS], gl.float32, mma)
+    l_t = gl.zeros([16, HEADS], gl.float32, mma)       # sums of p and of p * zero on every row
+    z_t = gl.zeros([16, HEADS], gl.float32, mma)
     acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
@@ -812,8 +803,7 @@ def _gluon_paged_kernel(
         _BARRIER()
         if COMPUTE:
             m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
-                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2,
-                                                                    FSUMS)
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -829,16 +819,11 @@ def _gluon_paged_kernel(
     hmask = heads < GROUP
     idx = ((b * H + h) * GROUP + heads).to(gl.int64) * NPART + part
     gl.store(pm_ptr + idx, m_i, mask=hmask)
-    if FSUMS:
-        l_i = gl.sum(l_t, axis=0)
-        zrow = gl.sum(z_t, axis=0)[None, :]
-    else:
-        l_i = gl.max(l_t, axis=0)                                       # rows all equal: any one of them
-        zrow = gl.max(z_t, axis=0)[None, :]
-    gl.store(pl_ptr + idx, l_i, mask=hmask)
+    gl.store(pl_ptr + idx, gl.max(l_t, axis=0), mask=hmask)           # rows all equal: any one of them
     c = gl.arange(0, D4, layout=gl.SliceLayout(1, mma))
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
+    zrow = gl.max(z_t, axis=0)[None, :]
     gl.store(out, acc0 * _pick(QUARTER_WEIGHT, 0) + zrow, mask=omask)
     gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
@@ -959,11 +944,11 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
                      use_tma: bool = False, descriptors: tuple | None = None,
-                     i8: int = 0, fsums: bool = False) -> tuple[tuple, dict]:
+                     i8: int = 0) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here), fsums the sums of
-    p by multiply-adds (FSUMS). Also used to compile the kernel for a profile (kernels.sass_profile)."""
+    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here). Also used to
+    compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -971,7 +956,7 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     I8=i8, FSUMS=fsums)
+                     I8=i8)
     return args, constants
 
 
@@ -984,9 +969,7 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 # decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
 # value products too
-I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-fsum": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
-# ... and those with the sums of p by multiply-adds (FSUMS: an experiment, session 26)
-FSUM_KERNELS = ("gluon-tma-fsum",)
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
@@ -1002,13 +985,13 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
            compute: bool = True, copies: bool = True, times: torch.Tensor | None = None,
-           pad: tuple[str, int] | None = None, fsums: bool = False) -> None:
+           pad: tuple[str, int] | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
     4 a program), each program's start, end and multiprocessor; pad (kind, instructions a page): the kernel's
-    PAD / PAD_N; fsums: the sums of p by multiply-adds (kernel_arguments)."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, fsums)
+    PAD / PAD_N."""
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times,
         **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,
