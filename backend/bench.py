@@ -353,9 +353,12 @@ def bench_tune(args) -> dict:
                       "timeline": [{**gluon(cap), "loads": half, "timeline": True} for half in ("whole", "arithmetic")],
                       # what one more instruction of each kind costs the default kernel's paged launch: 64 and 128
                       # more LOP3 (the integer pipe, as the unpacking's ANDs), FFMA (the multiply-add pipe) a page,
-                      # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD)
+                      # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD);
+                      # and without the second operands' byte permutes (PAD "noswap": wrong partials, the cost of a
+                      # page layout that needs none)
                       "pad": [{**gluon(cap), "loads": "whole", "pad": pad} for pad in (
-                          None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16))]}
+                          None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16),
+                          ("noswap", 0))]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA

@@ -117,11 +117,14 @@ def _a_operand(x, R: gl.constexpr, K: gl.constexpr):
 
 
 @gluon.jit
-def _b_operand(x, K: gl.constexpr):
+def _b_operand(x, K: gl.constexpr, SWAP: gl.constexpr = True):
     """(K, heads) tile in _cols_layout(K) -> the same registers as the second mma operand, rows in the order that
     _operand_columns gives the first operand's columns after _tile_products' unpacking, which pairs the bytes of a
-    word as (0, 2) and (1, 3) (a swap inside each 4 rows here)."""
-    x = gl.reshape(gl.permute(gl.reshape(x, [K // 4, 2, 2, HEADS]), [0, 2, 1, 3]), [K, HEADS])
+    word as (0, 2) and (1, 3) (a swap inside each 4 rows here: byte permutes, 36 a kitty-pro page). SWAP=False, a
+    measurement (the kernel's PAD "noswap"): without the swap, so with the wrong rows, what a page layout with
+    bytes 1 and 2 of each word traded would cost."""
+    if SWAP:
+        x = gl.reshape(gl.permute(gl.reshape(x, [K // 4, 2, 2, HEADS]), [0, 2, 1, 3]), [K, HEADS])
     x = gl.permute(gl.reshape(x, [4, K // 16, 2, 2, HEADS]), [1, 2, 0, 3, 4])
     return gl.convert_layout(gl.reshape(x, [K, HEADS]), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
 
@@ -207,11 +210,11 @@ def _chunk(K):
 
 @gluon.jit
 def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                NB: gl.constexpr):
+                NB: gl.constexpr, SWAP: gl.constexpr = True):
     """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
     accumulator tiles. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS), taken times
     qk_scale / Q_SCALE in the fp32 sums; q_rows / hmask_b: (1, HEADS) pointers to the query rows and the real heads,
-    for the boosted channels' gather."""
+    for the boosted channels' gather. SWAP: _b_operand's."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -219,7 +222,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     if NB > 0 and NB <= 32:
         # one chunk of boosted channels: its gathers first, so that their latency is spent on the low plane
-        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
+        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, kscale_ptr, D, NB, SWAP)
     s0 = gl.zeros([G4, HEADS], gl.float32, mma)
     s1 = gl.zeros([G4, HEADS], gl.float32, mma)
     s2 = gl.zeros([G4, HEADS], gl.float32, mma)
@@ -231,14 +234,14 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
     for c in gl.static_range(D // KC):
         q = q_s.index(c).load(cols)                     # the operands in fp16 arithmetic: 2 elements an instruction
         zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
-        b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC)
+        b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC, SWAP)
         s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         NBC: gl.constexpr = _chunk(NB)
         for c in gl.static_range(NB // NBC):
             if NB > 32:
-                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D, NBC)
+                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D, NBC, SWAP)
             s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
                                             G4, NBC)
     scale = qk_scale * (1.0 / Q_SCALE)
@@ -397,19 +400,20 @@ def _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NB:
 
 
 @gluon.jit
-def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
+def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr,
+                     SWAP: gl.constexpr = True):
     """The second operand of boosted-channel chunk c: 4 * Q_SCALE * q_ch * scale_ch (NBC, HEADS), gathered from the
     query rows and the page's scales in global memory (L1 / L2)."""
     lay: gl.constexpr = _cols_layout(NBC)
     ch = ch_s.slice(c * NBC, NBC).load(gl.SliceLayout(1, lay)).to(gl.int32)
     ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
     q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None], mask=gl.convert_layout(hmask_b, lay), other=0.0)
-    return _b_operand((q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT), NBC)
+    return _b_operand((q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT), NBC, SWAP)
 
 
 @gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr):
+                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr, SWAP: gl.constexpr = True):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
     vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
     (p * scale) (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t:
@@ -417,7 +421,8 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the
     pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200
     (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers,
-    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page."""
+    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. SWAP:
+    _b_operand's."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -451,7 +456,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         if I8:
             i0, i1, i2, i3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G4), i0, i1, i2, i3, G4)
         else:
-            pv = _b_operand(pv, G4)
+            pv = _b_operand(pv, G4, SWAP)
             acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4)
             if V_BITS == 4:
                 pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
@@ -747,7 +752,8 @@ def _gluon_paged_kernel(
     started and ended (%globaltimer, ns) and its multiprocessor, 4 int64 a program in grid order. PAD / PAD_N (a
     measurement, `bench tune --vary pad`): PAD_N more instructions a page of one kind ("alu": LOP3, "fma": FFMA,
     "mma": HMMA) on the scores, that add nothing (pad_zero, 0 at run time, masks them out): what one more instruction
-    of each kind costs this kernel (_pad)."""
+    of each kind costs this kernel (_pad); PAD "noswap" (PAD_N 0): the second operands without _b_operand's row swap,
+    wrong partials, 36 byte permutes fewer a kitty-pro page (what a page layout without the swap would save)."""
     if times_ptr is not None:
         started = _globaltimer()
     if PDL:
@@ -791,7 +797,8 @@ def _gluon_paged_kernel(
         elif I8 > 0:
             s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         else:
-            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB,
+                                         PAD != "noswap")
             if PAD_N > 0:
                 s0 = _pad(s0, pad_zero, PAD, PAD_N)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
@@ -803,7 +810,8 @@ def _gluon_paged_kernel(
         _BARRIER()
         if COMPUTE:
             m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
-                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2,
+                                                                    PAD != "noswap")
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)

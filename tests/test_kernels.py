@@ -500,21 +500,24 @@ def test_the_kernels_timeline_reads_the_clock_outside_its_loop():
 
 def test_padded_kernels_add_the_instructions_they_say():
     """Without a GPU: the measurement of what one more instruction costs (decode_gluon's PAD, bench tune --vary
-    pad) adds to the page loop the LOP3, FFMA or HMMA instructions it is asked for, and few others."""
+    pad) adds to the page loop the LOP3, FFMA or HMMA instructions it is asked for, and few others; PAD "noswap"
+    takes the second operands' byte permutes off (32 of 48 PRMT a kitty-pro page) and nothing else."""
     code = textwrap.dedent("""
         import torch
         from kernels.sass_profile import compile_gluon_kernel, profile
-        for pad in (None, ("alu", 64), ("fma", 64), ("mma", 8)):
+        for pad in (None, ("alu", 64), ("fma", 64), ("mma", 8), ("noswap", 0)):
             row = profile(compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, pad=pad))
-            print(row["loop instructions"], row["loop integer"], row["loop float"], row["loop matrix"])
+            print(row["loop instructions"], row["loop integer"], row["loop float"], row["loop matrix"],
+                  row["loop opcodes"].get("PRMT", 0))
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
-    plain, alu, fma, mma = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
+    plain, alu, fma, mma, noswap = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
     assert 64 <= alu[1] - plain[1] <= 68 and alu[0] - plain[0] <= 68, run.stdout
     assert 64 <= fma[2] - plain[2] <= 76 and fma[0] - plain[0] <= 80, run.stdout
     assert mma[3] - plain[3] == 8 and mma[0] - plain[0] <= 32, run.stdout
+    assert plain[4] - noswap[4] >= 32 and plain[0] - noswap[0] >= 28 and noswap[2:4] == plain[2:4], run.stdout
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
