@@ -366,106 +366,6 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: 
             _i8_scores(s3, scale * _pick(I8_QUARTER_WEIGHT, 3), zq))
 
 
-# Exact keys on the integer matrix unit (I8 == 3, kernel="gluon-tma-limbs", an experiment not yet run on a GPU): the
-# fp16 operand b = q * Q_SCALE * scale times a power of two per head a page (|x| < 2^13) split into two 8-bit limbs,
-# x = 128 * hi + lo, in fp16 arithmetic: hi = round(x / 128) by adding 1536 (ulp 1 in [1024, 2048): the low byte is
-# hi), lo = x - 128 * hi (exact), rounded the same way. Only lo's rounding to an integer changes the operand: at most
-# 2^-14 of the head's largest |b|.
-LIMB_ASM = gl.constexpr("{ .reg .b32 m, k, n, a, b, h0, h1, l0, l1; mov.b32 m, 0x66006600; mov.b32 k, 0x20002000; "
-                        "mov.b32 n, 0xd800d800; mul.rn.f16x2 a, $2, $4; mul.rn.f16x2 b, $3, $5; "
-                        "fma.rn.f16x2 h0, a, k, m; fma.rn.f16x2 h1, b, k, m; "
-                        "sub.f16x2 l0, h0, m; sub.f16x2 l1, h1, m; fma.rn.f16x2 l0, l0, n, a; fma.rn.f16x2 l1, l1, n, b; "
-                        "add.f16x2 l0, l0, m; add.f16x2 l1, l1, m; "
-                        "prmt.b32 $0, h0, h1, 0x6420; prmt.b32 $1, l0, l1, 0x6420; }")
-
-
-@gluon.jit
-def _limbs(x, p2, K: gl.constexpr):
-    """The (K, HEADS) fp16 tile x times the heads' powers of two p2 ((1, HEADS) fp16) as two m16n8k32 second
-    operands (hi, lo), x * p2 = 128 * hi + lo (LIMB_ASM)."""
-    x, p2 = gl.broadcast(x, p2)
-    hi, lo = gl.inline_asm_elementwise(asm=LIMB_ASM, constraints="=r,=r,r,r,r,r", args=[x, p2],
-                                       dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
-    lay: gl.constexpr = gl.DotOperandLayout(1, _mma(), 4)
-    return (gl.convert_layout(_i8_operand_order(hi, K, 0), lay, assert_trivial=True),
-            gl.convert_layout(_i8_operand_order(lo, K, 0), lay, assert_trivial=True))
-
-
-@gluon.jit
-def _limb_products(x, b_hi, b_lo, ha, hb, la, lb, I: gl.constexpr, K: gl.constexpr):
-    """_i8_tile_products for both limbs and quarters I, I + 1 of the tile (one unpacking each)."""
-    a_layout: gl.constexpr = gl.DotOperandLayout(0, _mma(), 4)
-    xa = _i8_operand_order(x, K, 1)
-    q = gl.convert_layout(_i8_quarter(xa, I), a_layout, assert_trivial=True)
-    ha = mma_v2(q, b_hi, ha)
-    la = mma_v2(q, b_lo, la)
-    q = gl.convert_layout(_i8_quarter(xa, I + 1), a_layout, assert_trivial=True)
-    hb = mma_v2(q, b_hi, hb)
-    lb = mma_v2(q, b_lo, lb)
-    if I == 2:
-        m64 = gl.full(x.shape, I8_MINUS64, gl.int8, a_layout)
-        hb = mma_v2(m64, b_hi, hb)
-        lb = mma_v2(m64, b_lo, lb)
-    return ha, hb, la, lb
-
-
-@gluon.jit
-def _limb_scores(h, l, w, zq):
-    """(128 * h + l) (int32 sums) as floats times the heads' w, plus zq."""
-    return (h * 128 + l).to(gl.float32) * w[None, :] + zq[None, :]
-
-
-@gluon.jit
-def _key_scores_limbs(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                      NB: gl.constexpr):
-    """_key_scores_i8 with the fp16 operands in two exact 8-bit limbs (LIMB_ASM) instead of rounded to one."""
-    G4: gl.constexpr = G // 4
-    mma: gl.constexpr = _mma()
-    cols: gl.constexpr = _cols_layout(KC)
-    vec: gl.constexpr = gl.SliceLayout(1, cols)
-    klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
-    zq = gl.zeros([16, HEADS], gl.float32, mma)
-    ones = gl.full([16, KC], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
-    amax = gl.full([HEADS], 2.0 ** -14, DOT, gl.SliceLayout(0, cols))
-    bs = ()
-    for c in gl.static_range(D // KC):
-        q = q_s.index(c).load(cols)
-        zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
-        b = _mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None])
-        amax = gl.maximum(amax, gl.max(gl.abs(b), axis=0))
-        bs = bs + (b,)
-    if NB > 0:
-        b_nb = _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
-        amax = gl.maximum(amax, gl.max(gl.abs(b_nb), axis=0))
-    # p2 = 2^(12 - exponent of amax): amax * p2 in [2^12, 2^13)
-    bits = amax.to(gl.float32).to(gl.int32, bitcast=True)
-    p2 = (((127 + 12) << 23) - (bits & 0x7F800000) + (127 << 23)).to(gl.float32, bitcast=True)
-    p2h = p2.to(DOT)
-    limbs = ()
-    for c in gl.static_range(D // KC):
-        limbs = limbs + (_limbs(bs[c], p2h[None, :], KC),)
-    if NB > 0:
-        limbs = limbs + (_limbs(b_nb, p2h[None, :], NB),)
-    i8: gl.constexpr = gl.SliceLayout(0, mma)
-    scale = gl.convert_layout(qk_scale * (1.0 / Q_SCALE) / p2, i8)
-    zq = gl.max(zq, axis=0) * (qk_scale * (1.0 / Q_SCALE))
-    scores = ()
-    for I in gl.static_range(0, 4, 2):                     # two quarters at a time: 4 int32 accumulators live
-        ha = gl.zeros([G4, HEADS], gl.int32, mma)
-        hb = gl.zeros([G4, HEADS], gl.int32, mma)
-        la = gl.zeros([G4, HEADS], gl.int32, mma)
-        lb = gl.zeros([G4, HEADS], gl.int32, mma)
-        for c in gl.static_range(D // KC):
-            ha, hb, la, lb = _limb_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), limbs[c][0],
-                                            limbs[c][1], ha, hb, la, lb, I, KC)
-        if NB > 0:
-            ha, hb, la, lb = _limb_products(khigh_s.load(_rows_layout(NB)), limbs[D // KC][0], limbs[D // KC][1], ha,
-                                            hb, la, lb, I, NB)
-        scores = scores + (_limb_scores(ha, la, scale * _pick(I8_QUARTER_WEIGHT, I), zq),
-                           _limb_scores(hb, lb, scale * _pick(I8_QUARTER_WEIGHT, I + 1), zq))
-    return scores
-
-
 @gluon.jit
 def _i8_scores(s, w, zq):
     """The s32 sums started at I8_MAGIC, read as floats, less I8_MAGIC_F (exact), times the heads' w, plus their zq.
@@ -897,8 +797,6 @@ def _gluon_paged_kernel(
         _BARRIER()                                  # ... for every lane (and, the first time, the queries)
         if not COMPUTE:
             pass
-        elif I8 == 3:
-            s0, s1, s2, s3 = _key_scores_limbs(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         elif I8 > 0:
             s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         else:
@@ -1082,7 +980,7 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 # decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
 # value products too
-I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2, "gluon-tma-limbs": 3}
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
