@@ -421,7 +421,7 @@ def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, times:
     "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or only computes, over its first
     slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take), or does both
     ("whole": the paged launch alone, without the remaining blocks and the merge); times: each program's start,
-    end and multiprocessor; pad: (kind, instructions a page) added that change nothing (decode_gluon.launch)."""
+    end and multiprocessor; pad: decode_gluon.launch's (instructions added that change nothing, or "noswap")."""
     from kernels import decode_gluon
     b, hq, d = q.shape
     parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),

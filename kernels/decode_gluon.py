@@ -123,7 +123,7 @@ def _a_operand(x, R: gl.constexpr, K: gl.constexpr):
 def _b_operand(x, K: gl.constexpr, SWAP: gl.constexpr = True):
     """(K, heads) tile in _cols_layout(K) -> the same registers as the second mma operand, rows in the order that
     _operand_columns gives the first operand's columns after _tile_products' unpacking, which pairs the bytes of a
-    word as (0, 2) and (1, 3) (a swap inside each 4 rows here: byte permutes, 36 a kitty-pro page). SWAP=False, a
+    word as (0, 2) and (1, 3) (a swap inside each 4 rows here: byte permutes, 32 a kitty-pro page). SWAP=False, a
     measurement (the kernel's PAD "noswap"): without the swap, so with the wrong rows, what a page layout with
     bytes 1 and 2 of each word traded would cost."""
     if SWAP:
@@ -756,7 +756,7 @@ def _gluon_paged_kernel(
     measurement, `bench tune --vary pad`): PAD_N more instructions a page of one kind ("alu": LOP3, "fma": FFMA,
     "mma": HMMA) on the scores, that add nothing (pad_zero, 0 at run time, masks them out): what one more instruction
     of each kind costs this kernel (_pad); PAD "noswap" (PAD_N 0): the second operands without _b_operand's row swap,
-    wrong partials, 36 byte permutes fewer a kitty-pro page (what a page layout without the swap would save)."""
+    wrong partials, 32 byte permutes fewer a kitty-pro page (what a page layout without the swap would save)."""
     if times_ptr is not None:
         started = _globaltimer()
     if PDL:
@@ -766,6 +766,7 @@ def _gluon_paged_kernel(
     part = gl.program_id(2)
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
+    SWAP: gl.constexpr = PAD != "noswap"            # _b_operand's row swap (not for the "noswap" measurement)
     if TMA:
         kbar, vbar = _barrier_pair()
     else:
@@ -800,8 +801,7 @@ def _gluon_paged_kernel(
         elif I8 > 0:
             s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         else:
-            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB,
-                                         PAD != "noswap")
+            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB, SWAP)
             if PAD_N > 0:
                 s0 = _pad(s0, pad_zero, PAD, PAD_N)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
@@ -813,8 +813,7 @@ def _gluon_paged_kernel(
         _BARRIER()
         if COMPUTE:
             m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
-                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2,
-                                                                    PAD != "noswap")
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2, SWAP)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
