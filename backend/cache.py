@@ -27,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kernels import dequantize, flush, quantize
 from kernels.chunk_attention import chunk_attention
 from kernels.decode_attention import KERNELS, DecodeWorkspace, decode_attention, decode_attention_ref
-from kernels.i8_reference import I8_KERNELS, LIMB_KERNELS, decode_attention_i8_ref
+from kernels.i8_reference import I8_KERNELS, decode_attention_i8_ref
 from kernels.layout import (FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_bytes, key_plane_shape,
                             value_page_bytes, value_plane_shape)
 
@@ -273,8 +273,8 @@ class KittyLayer(CacheLayerMixin):
             return decode_attention(query[:, :, 0], self.paged(), scaling, workspace=self.workspace,
                                     kernel=self.decode_kernel).unsqueeze(1)
         if self.decode_kernel in I8_KERNELS:        # the 8-bit kernels' arithmetic (their accuracy, on a CPU)
-            return decode_attention_i8_ref(query[:, :, 0], self.paged(), scaling, values=I8_KERNELS[self.decode_kernel],
-                                           limbs=self.decode_kernel in LIMB_KERNELS).unsqueeze(1)
+            return decode_attention_i8_ref(query[:, :, 0], self.paged(), scaling,
+                                           values=I8_KERNELS[self.decode_kernel]).unsqueeze(1)
         return decode_attention_ref(query[:, :, 0], self.paged(), scaling).unsqueeze(1)
 
     def _attend_chunk(self, query, key, value, scaling, counts=None) -> torch.Tensor:

@@ -592,8 +592,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-i16",
-           "gluon-tma-i16k")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -615,13 +614,8 @@ GLUON_MAXNREG_FEW = 192
 # queries times scales rounded to 8 bits a page); "gluon-tma-i8": the value products too (p times scales rounded to
 # 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
 # kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
-# section 3, `python -m backend.bench quality`). "gluon-tma-i16": the key and value products on the integer matrix
-# unit with the exact kernel's fp16 operands split into two 8-bit limbs (decode_gluon's I16_ROUND_ASM: x * s = hi +
-# lo / 128, exact wherever |x| is at least a sixteenth of the page's largest), the same integer unpacking as
-# "gluon-tma-i8" at twice its products; "gluon-tma-i16k": the keys so and the exact value products. Experiments: on
-# the CPU (kernels/i8_reference.py) the key limbs move the output 11 % further from the exact reference than the fp16
-# operands do, the value limbs 2-3.5x (p * scale in a fixed point of 15 bits, where most of a page's p are small)
-GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-i16", "gluon-tma-i16k")
+# section 3, `python -m backend.bench quality`)
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
@@ -635,8 +629,7 @@ def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_war
     shape = (q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device))
     if kernel in GLUON_KERNELS:
         from . import decode_gluon
-        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg,
-                                                                      decode_gluon.I8_PRODUCTS[kernel]))
+        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg))
     return default_splits(*shape, resident_programs(maxnreg, num_warps))
 
 
@@ -672,8 +665,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     on the H200: MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
-    same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback), "gluon-tma-i16"
-    (the key and value products in two 8-bit limbs; the same fallback) or "auto"
+    same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
     (choose_kernel). rest_warps / rest_maxnreg: warps a program of the remaining blocks (default:
     decode_rest.rest_warps) and their register cap (default: the compiler's). pdl: the
     three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its

@@ -276,21 +276,6 @@ I8_MAGIC_F = gl.constexpr(12582912.0)
 # two fp16 FMAs and a byte permute make a register of 4 signed bytes.
 I8_ROUND_ASM = gl.constexpr("{ .reg .b32 m, a, b; mov.b32 m, 0x66006600; fma.rn.f16x2 a, $1, $3, m; "
                             "fma.rn.f16x2 b, $2, $4, m; prmt.b32 $0, a, b, 0x6420; }")
-# Two 8-bit limbs (I8 == 3, decode_attention(kernel="gluon-tma-i16")): the fp16 operand x (the exact kernel's, the
-# same roundings) times a power of two s per head, which takes the page's largest |x| into [64, 128), is split into
-# hi = round((1 - 2^-8) * x * s) and lo = round(128 * (x * s - hi)), both in [-127, 127], so that x * s = hi + lo / 128
-# exactly wherever |x * s| >= 8 (every fp16 x with |x * s| < 128 checked on the CPU: tests/test_kernels.py) and within
-# 2^-8 elsewhere, 2^-14 of the page's largest. The products take hi and lo separately (two s32 sums a quarter). In
-# fp16 arithmetic, two elements an instruction: h = x * cs + 1536 (cs = (1 - 2^-8) * s; the integer hi in the low
-# byte, as I8_ROUND_ASM), -hi = 1536 - h, x * s - hi (exact), 128 * that + 1536, and a byte permute for each limb.
-# Why the factor 1 - 2^-8: with hi = round(x * s) a value in [127.5, 128) would round to 128, past s8.
-I16_ROUND_ASM = gl.constexpr("{ .reg .b32 m, k, h0, h1, f0, f1, l0, l1; mov.b32 m, 0x66006600; mov.b32 k, 0x58005800; "
-                             "fma.rn.f16x2 h0, $2, $6, m; fma.rn.f16x2 h1, $3, $7, m; "
-                             "sub.rn.f16x2 f0, m, h0; sub.rn.f16x2 f1, m, h1; "
-                             "fma.rn.f16x2 l0, $2, $4, f0; fma.rn.f16x2 l1, $3, $5, f1; "
-                             "fma.rn.f16x2 l0, l0, k, m; fma.rn.f16x2 l1, l1, k, m; "
-                             "prmt.b32 $0, h0, h1, 0x6420; prmt.b32 $1, l0, l1, 0x6420; }")
-I16_HI = gl.constexpr(1.0 - 2.0 ** -8)
 
 
 @gluon.jit
@@ -309,23 +294,14 @@ def _i8_operand_order(x, K: gl.constexpr, LAST: gl.constexpr):
 @gluon.jit
 def _i8_tile_products(x, b, acc0, acc1, acc2, acc3, K: gl.constexpr):
     """acc_i += (quarter i of the (rows, K) byte tile x, as integers) @ b (s8), for the 4 quarters."""
-    xa = _i8_operand_order(x, K, 1)
-    acc0 = _i8_quarter_product(xa, b, acc0, 0)
-    acc1 = _i8_quarter_product(xa, b, acc1, 1)
-    acc2 = _i8_quarter_product(xa, b, acc2, 2)
-    acc3 = _i8_quarter_product(xa, b, acc3, 3)
-    return acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _i8_quarter_product(xa, b, acc, I: gl.constexpr):
-    """acc += (quarter I of the byte tile xa, in _i8_operand_order, as integers) @ b (s8); quarter 3 with the product
-    of I8_MINUS64 that takes its offset back."""
     a_layout: gl.constexpr = gl.DotOperandLayout(0, _mma(), 4)
-    acc = mma_v2(gl.convert_layout(_i8_quarter(xa, I), a_layout, assert_trivial=True), b, acc)
-    if I == 3:
-        acc = mma_v2(gl.full(xa.shape, I8_MINUS64, gl.int8, a_layout), b, acc)
-    return acc
+    xa = _i8_operand_order(x, K, 1)
+    acc0 = mma_v2(gl.convert_layout(_i8_quarter(xa, 0), a_layout, assert_trivial=True), b, acc0)
+    acc1 = mma_v2(gl.convert_layout(_i8_quarter(xa, 1), a_layout, assert_trivial=True), b, acc1)
+    acc2 = mma_v2(gl.convert_layout(_i8_quarter(xa, 2), a_layout, assert_trivial=True), b, acc2)
+    acc3 = mma_v2(gl.convert_layout(_i8_quarter(xa, 3), a_layout, assert_trivial=True), b, acc3)
+    acc3 = mma_v2(gl.full(x.shape, I8_MINUS64, gl.int8, a_layout), b, acc3)
+    return acc0, acc1, acc2, acc3
 
 
 @gluon.jit
@@ -344,39 +320,10 @@ def _i8_round(x, r, K: gl.constexpr):
 
 
 @gluon.jit
-def _i16_round(x, s, cs, K: gl.constexpr):
-    """The (K, HEADS) fp16 tile x times the heads' s (fp16, (1, HEADS); cs = I16_HI * s) as two s8 limbs (hi, lo),
-    second m16n8k32 operands with x * s = hi + lo / 128 (I16_ROUND_ASM)."""
-    x, s = gl.broadcast(x, s)
-    x, cs = gl.broadcast(x, cs)
-    hi, lo = gl.inline_asm_elementwise(asm=I16_ROUND_ASM, constraints="=r,=r,r,r,r,r,r,r", args=[x, s, cs],
-                                       dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
-    b: gl.constexpr = gl.DotOperandLayout(1, _mma(), 4)
-    return (gl.convert_layout(_i8_operand_order(hi, K, 0), b, assert_trivial=True),
-            gl.convert_layout(_i8_operand_order(lo, K, 0), b, assert_trivial=True))
-
-
-@gluon.jit
-def _limb_scale(amax):
-    """The power of two s that takes amax (fp32, > 0) into [64, 128): 2^(6 - floor(log2 amax)) from amax's exponent
-    bits, for amax of at least 2^-9 (smaller ones get 2^15, fp16's largest power of two; exactly, where log2 in
-    float might round a power of two down and double s)."""
-    e = gl.maximum(amax, 2.0 ** -9).to(gl.int32, bitcast=True) >> 23
-    return ((260 - e) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _limb_sums(h, lo):
-    """Two s32 sums started at I8_MAGIC (of hi and of lo products) -> one float started at I8_MAGIC_F, in lo's units:
-    128 * (h - start) + lo, whose subtraction of the start is exact (integers under 2^22)."""
-    return gl.fma(h.to(gl.float32, bitcast=True) - I8_MAGIC_F, 128.0, lo.to(gl.float32, bitcast=True))
-
-
-@gluon.jit
 def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                   NB: gl.constexpr, LIMBS: gl.constexpr = 1):
-    """_key_scores with the key products in 8-bit integers (see I8_QUARTER_ASM): the operands rounded to 8 bits
-    (LIMBS 1) or split into two 8-bit limbs (LIMBS 2, I16_ROUND_ASM). Boosted channels: one chunk of 32."""
+                   NB: gl.constexpr):
+    """_key_scores with the key products in 8-bit integers (see I8_QUARTER_ASM). Boosted channels: one chunk of
+    32."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -398,35 +345,20 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: 
     if NB > 0:
         b_nb = _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
         amax = gl.maximum(amax, gl.max(gl.abs(b_nb), axis=0))
+    # IEEE division (not the approximate one of `/`), so that kernels/i8_reference.py can round the same integers
+    r = gl.div_rn(gl.full([HEADS], 127.0, gl.float32, amax.type.layout), amax.to(gl.float32)).to(DOT)
     i8: gl.constexpr = gl.SliceLayout(0, mma)
     s0 = gl.full([G4, HEADS], I8_MAGIC, gl.int32, mma)
     s1 = gl.full([G4, HEADS], I8_MAGIC, gl.int32, mma)
     s2 = gl.full([G4, HEADS], I8_MAGIC, gl.int32, mma)
     s3 = gl.full([G4, HEADS], I8_MAGIC, gl.int32, mma)
-    if LIMBS == 1:
-        # IEEE division (not the approximate one of `/`), so that kernels/i8_reference.py can round the same integers
-        r = gl.div_rn(gl.full([HEADS], 127.0, gl.float32, amax.type.layout), amax.to(gl.float32)).to(DOT)
-        for c in gl.static_range(D // KC):
-            s0, s1, s2, s3 = _i8_tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)),
-                                               _i8_round(bs[c], r[None, :], KC), s0, s1, s2, s3, KC)
-        if NB > 0:
-            s0, s1, s2, s3 = _i8_tile_products(khigh_s.load(_rows_layout(NB)), _i8_round(b_nb, r[None, :], NB), s0,
-                                               s1, s2, s3, NB)
-        scale = gl.convert_layout(qk_scale * (1.0 / Q_SCALE) / r.to(gl.float32), i8)
-    else:
-        lim = _limb_scale(amax.to(gl.float32))
-        ls = lim.to(DOT)[None, :]
-        lcs = (lim * I16_HI).to(DOT)[None, :]
-        limbs = ()
-        tiles = ()
-        for c in gl.static_range(D // KC):
-            limbs = limbs + (_i16_round(bs[c], ls, lcs, KC),)
-            tiles = tiles + (klow_s.slice(c * G4, G4),)
-        if NB > 0:
-            limbs = limbs + (_i16_round(b_nb, ls, lcs, NB),)
-            tiles = tiles + (khigh_s,)
-        s0, s1, s2, s3 = _limb_products(tiles, limbs)
-        scale = gl.convert_layout(qk_scale * (1.0 / Q_SCALE / 128.0) / lim, i8)
+    for c in gl.static_range(D // KC):
+        s0, s1, s2, s3 = _i8_tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)),
+                                           _i8_round(bs[c], r[None, :], KC), s0, s1, s2, s3, KC)
+    if NB > 0:
+        s0, s1, s2, s3 = _i8_tile_products(khigh_s.load(_rows_layout(NB)), _i8_round(b_nb, r[None, :], NB), s0, s1,
+                                           s2, s3, NB)
+    scale = gl.convert_layout(qk_scale * (1.0 / Q_SCALE) / r.to(gl.float32), i8)
     zq = gl.max(zq, axis=0) * (qk_scale * (1.0 / Q_SCALE))
     return (_i8_scores(s0, scale * _pick(I8_QUARTER_WEIGHT, 0), zq),
             _i8_scores(s1, scale * _pick(I8_QUARTER_WEIGHT, 1), zq),
@@ -435,47 +367,12 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: 
 
 
 @gluon.jit
-def _limb_products(tiles, limbs):
-    """The 4 quarters' products of byte tiles (R, 32) in shared memory (tiles: a key page's channel chunks, or a
-    value page's token quarters) with their second operands in two limbs (limbs: (hi, lo) a tile), summed over the
-    tiles as _limb_sums' floats. Two quarters at a time, so that 4 s32 sums are live and not 8 (8 took the kernel
-    to 204 registers, spilling at 168); the barrier between them makes the second pass read the codes again instead
-    of keeping every tile live."""
-    a0, a1 = _limb_pass(tiles, limbs, 0)
-    _BARRIER()
-    a2, a3 = _limb_pass(tiles, limbs, 2)
-    return a0, a1, a2, a3
-
-
-@gluon.jit
-def _limb_pass(tiles, limbs, I: gl.constexpr):
-    """Quarters I and I + 1 of _limb_products."""
-    mma: gl.constexpr = _mma()
-    R: gl.constexpr = tiles[0].shape[0]
-    h0 = gl.full([R, HEADS], I8_MAGIC, gl.int32, mma)
-    h1 = gl.full([R, HEADS], I8_MAGIC, gl.int32, mma)
-    l0 = gl.full([R, HEADS], I8_MAGIC, gl.int32, mma)
-    l1 = gl.full([R, HEADS], I8_MAGIC, gl.int32, mma)
-    for c in gl.static_range(len(tiles)):
-        xa = _i8_operand_order(tiles[c].load(_rows_layout(32)), 32, 1)
-        bh, bl = limbs[c]
-        h0 = _i8_quarter_product(xa, bh, h0, I)
-        l0 = _i8_quarter_product(xa, bl, l0, I)
-        h1 = _i8_quarter_product(xa, bh, h1, I + 1)
-        l1 = _i8_quarter_product(xa, bl, l1, I + 1)
-    return _limb_sums(h0, l0), _limb_sums(h1, l1)
-
-
-@gluon.jit
 def _i8_scores(s, w, zq):
-    """The s32 sums started at I8_MAGIC, read as floats (or _limb_sums' floats), less I8_MAGIC_F (exact), times the
-    heads' w, plus their zq.
+    """The s32 sums started at I8_MAGIC, read as floats, less I8_MAGIC_F (exact), times the heads' w, plus their zq.
     (Folding I8_MAGIC_F * w into zq saved the subtraction but rounded that offset by up to 0.75 of an integer unit,
     one error for 32 tokens: on the H200 it put fp16 outputs a fifth of the 8-bit rounding's effect away from
     kernels/i8_reference.py.)"""
-    if s.dtype == gl.int32:
-        s = s.to(gl.float32, bitcast=True)
-    return (s - I8_MAGIC_F) * w[None, :] + zq[None, :]
+    return (s.to(gl.float32, bitcast=True) - I8_MAGIC_F) * w[None, :] + zq[None, :]
 
 
 @gluon.jit
@@ -489,21 +386,9 @@ def _i8_value_scale(vscale_s, page_max, m_new, G: gl.constexpr):
 
 
 @gluon.jit
-def _limb_value_scale(vscale_s, page_max, m_new, G: gl.constexpr):
-    """Per head, the power of two that p * scale is multiplied by before its limbs (_i16_round): from a bound on its
-    largest value on this page, the page's largest p times its largest value scale, with 2^-8 to spare for the
-    fp16 roundings of p and of p * scale. fp32, (HEADS,) as page_max."""
-    vs_max = gl.max(vscale_s.load(_vector_layout(G, 2)).to(gl.float32), axis=0)
-    return _limb_scale(vs_max * gl.exp2(page_max - m_new) * (1.0 + 2.0 ** -8))
-
-
-@gluon.jit
 def _i8_accumulate(acc, alpha, s, k):
-    """acc * alpha + (the s32 sums s started at I8_MAGIC, or _limb_sums' floats) * k (per head): two
-    multiply-adds."""
-    if s.dtype == gl.int32:
-        s = s.to(gl.float32, bitcast=True)
-    return gl.fma(s, k[None, :], gl.fma(acc, alpha, -I8_MAGIC_F * k[None, :]))
+    """acc * alpha + (the s32 sums s started at I8_MAGIC) * k (per head): two multiply-adds."""
+    return gl.fma(s.to(gl.float32, bitcast=True), k[None, :], gl.fma(acc, alpha, -I8_MAGIC_F * k[None, :]))
 
 
 @gluon.jit
@@ -530,7 +415,7 @@ def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexp
 
 
 @gluon.jit
-def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, acc_s, D: gl.constexpr,
+def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
                     G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr, SWAP: gl.constexpr = True):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
     vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
@@ -538,10 +423,9 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     (16 * warps, HEADS) tiles, every row the sum). Returns the new running max, l_t, z_t and the 4 channel quarters'
     accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the
     pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200
-    (BENCHMARKS.md section 1, session 14). I8 2 or 3 (2-bit values, pages of 128): the value products in 8-bit
-    integers, summed from I8_MAGIC a page, p * scale rounded to s8 with one scale per head a page (2,
-    _i8_value_scale) or split into two limbs (3, _limb_value_scale; the running sums then live in shared memory,
-    acc_s, and acc0..acc3 are returned as they came). SWAP: _b_operand's."""
+    (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers,
+    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. SWAP:
+    _b_operand's."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -551,20 +435,12 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     alpha = gl.exp2(m_i - m_new)[None, :]
     l_t = l_t * alpha
     z_t = z_t * alpha
-    if I8 == 2:
+    if I8:
         r = _i8_value_scale(vscale_s, page_max, m_new, G)
         i0 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
         i1 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
         i2 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
         i3 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
-    elif I8 == 3:
-        # every token quarter's limbs first, then the products two channel quarters at a time (_limb_products)
-        lim = _limb_value_scale(vscale_s, page_max, m_new, G)
-        lim_b = gl.convert_layout(lim, gl.SliceLayout(0, _cols_layout(G4)))
-        ls = lim_b.to(DOT)[None, :]
-        lcs = (lim_b * I16_HI).to(DOT)[None, :]
-        limbs = ()
-        tiles = ()
     else:
         acc0 = acc0 * alpha
         acc1 = acc1 * alpha
@@ -579,33 +455,19 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
         z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
         pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
-        codes = vlow_s.slice(i * D4, D4)
-        if I8 == 2:
-            i0, i1, i2, i3 = _i8_tile_products(codes.load(_rows_layout(G4)), _i8_round(pv, r[None, :], G4), i0, i1,
-                                               i2, i3, G4)
-        elif I8 == 3:
-            limbs = limbs + (_i16_round(pv, ls, lcs, G4),)
-            tiles = tiles + (codes,)
+        codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
+        if I8:
+            i0, i1, i2, i3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G4), i0, i1, i2, i3, G4)
         else:
-            codes = codes.load(_rows_layout(G4))
             pv = _b_operand(pv, G4, SWAP)
             acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4)
             if V_BITS == 4:
                 pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
                 acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4,
                                                         acc0, acc1, acc2, acc3, D4, G4)
-    if I8 == 2 or I8 == 3:
+    if I8:
         # back to the fp16 products' units (code * 4^j * 2^-24) and onto the running sums: two multiply-adds
-        if I8 == 2:
-            k = gl.convert_layout((2.0 ** -24) / r.to(gl.float32), gl.SliceLayout(0, mma))
-        else:
-            k = (2.0 ** -24 / 128.0) / lim
-            i0, i1, i2, i3 = _limb_products(tiles, limbs)
-            acc_s.index(0).store(_i8_accumulate(acc_s.index(0).load(mma), alpha, i0, k))
-            acc_s.index(1).store(_i8_accumulate(acc_s.index(1).load(mma), alpha, i1, k))
-            acc_s.index(2).store(_i8_accumulate(acc_s.index(2).load(mma), alpha, i2, k))
-            acc_s.index(3).store(_i8_accumulate(acc_s.index(3).load(mma), alpha, i3, -k))
-            return m_new, l_t, z_t, acc0, acc1, acc2, acc3
+        k = gl.convert_layout((2.0 ** -24) / r.to(gl.float32), gl.SliceLayout(0, mma))
         acc0 = _i8_accumulate(acc0, alpha, i0, k)
         acc1 = _i8_accumulate(acc1, alpha, i1, k)
         acc2 = _i8_accumulate(acc2, alpha, i2, k)
@@ -923,16 +785,6 @@ def _gluon_paged_kernel(
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc3 = gl.zeros([D4, HEADS], gl.float32, mma)
-    if I8 == 3:
-        # the two-limb kernel's running sums in shared memory (32 registers it needs for its s32 sums), read and
-        # written once a page
-        acc_s = gl.allocate_shared_memory(gl.float32, [4, D4, HEADS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        acc_s.index(0).store(acc0)
-        acc_s.index(1).store(acc1)
-        acc_s.index(2).store(acc2)
-        acc_s.index(3).store(acc3)
-    else:
-        acc_s = 0
     phase = 0
     if not COPIES:                                  # the first slot's pages, then no copies and no waits
         _arrived(kbar, 0, TMA)
@@ -947,8 +799,7 @@ def _gluon_paged_kernel(
         if not COMPUTE:
             pass
         elif I8 > 0:
-            s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB,
-                                            1 + (I8 >= 3))
+            s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         else:
             s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB, SWAP)
             if PAD_N > 0:
@@ -962,7 +813,7 @@ def _gluon_paged_kernel(
         _BARRIER()
         if COMPUTE:
             m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
-                                                                    acc1, acc2, acc3, acc_s, D, G, V_BITS, I8, SWAP)
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2, SWAP)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -983,11 +834,6 @@ def _gluon_paged_kernel(
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
     zrow = gl.max(z_t, axis=0)[None, :]
-    if I8 == 3:
-        acc0 = acc_s.index(0).load(mma)
-        acc1 = acc_s.index(1).load(mma)
-        acc2 = acc_s.index(2).load(mma)
-        acc3 = acc_s.index(3).load(mma)
     gl.store(out, acc0 * _pick(QUARTER_WEIGHT, 0) + zrow, mask=omask)
     gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
@@ -1059,25 +905,23 @@ CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one 
 TMA_BARRIERS = 24                   # two 8-byte mbarriers and their alignment
 
 
-def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, i8: int = 0) -> int:
-    """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers, the conversion scratch,
-    with TMA the two mbarriers as the compiler places them, and with the two-limb products (i8 3) the running sums
-    (the placeholders of planes the method lacks are never used, and the compiler drops them; tests/test_kernels.py
-    checks this against compiled kernels)."""
+def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False) -> int:
+    """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers, the conversion scratch
+    and, with TMA, the two mbarriers as the compiler places them (the placeholders of planes the method lacks are
+    never used, and the compiler drops them; tests/test_kernels.py checks this against compiled kernels)."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + nb + 4 * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
-    sums = 4 * d * HEADS_PER_TILE if i8 == 3 else 0
-    return 16 * d + CONVERT_SCRATCH + key + value + (TMA_BARRIERS if use_tma else 0) + sums
+    return 16 * d + CONVERT_SCRATCH + key + value + (TMA_BARRIERS if use_tma else 0)
 
 
-def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, i8: int = 0) -> int:
+def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     """Programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers and by shared memory. A
     warp's registers come from one of the 4 schedulers' files of 16,384 (in steps of 8 a thread), so 129 to 170
     registers a thread leave 3 warps a scheduler, 12 one-warp programs (ncu on the H200 at 144 and 168 registers:
-    BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg). i8: the kernel's I8_PRODUCTS (shared_bytes)."""
+    BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
     by_registers = 4 * (16384 // (32 * (-(-maxnreg // 8) * 8)))
-    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, i8=i8) + SHARED_RESERVED)
+    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim) + SHARED_RESERVED)
     return max(1, min(by_registers, by_shared))
 
 
@@ -1133,21 +977,19 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
             and kv.n_boost in (0, 16, 32, 64, 128))
 
 
-# decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands; the key products in 8-bit integers with their
-# operands rounded to 8 bits (1) or in two 8-bit limbs (4); the key and the value products so (2, 3)
-I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2, "gluon-tma-i16": 3,
-               "gluon-tma-i16k": 4}
-INTEGER_VALUES = (2, 3)             # the I8 whose value products are integer ones
+# decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
+# value products too
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
-    """Whether decode_attention's `kernel` (a key of I8_PRODUCTS) takes this launch: the integer key products take
-    boosted channels in one chunk of 32 or none, the integer value products pages of 128 and 2-bit values."""
+    """Whether decode_attention's `kernel` (a key of I8_PRODUCTS) takes this launch: the 8-bit key products take
+    boosted channels in one chunk of 32 or none, the 8-bit value products pages of 128 and 2-bit values."""
     if kernel == "gluon":
         return supports(q, kv)
     i8 = I8_PRODUCTS[kernel]
     return (supports_tma(q, kv) and (i8 < 1 or kv.n_boost in (0, 32))
-            and (i8 not in INTEGER_VALUES or (kv.page_size == 128 and kv.v_bits == 2)))
+            and (i8 < 2 or (kv.page_size == 128 and kv.v_bits == 2)))
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,

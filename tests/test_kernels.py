@@ -287,9 +287,9 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     if kernel != "gluon" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("decode_gluon.supports_tma takes Hopper GPUs only (the only kind the TMA copies ran on)")
-    i8 = decode_gluon.I8_PRODUCTS[kernel]
-    if i8 and not (nb in (0, 32) and (i8 not in decode_gluon.INTEGER_VALUES or (page == 128 and vb == 2))):
-        pytest.skip("the integer key products take boosted channels in one chunk of 32 or none, the value products "
+    if decode_gluon.I8_PRODUCTS[kernel] and not (nb in (0, 32) and (kernel == "gluon-tma-i8k" or (page == 128
+                                                                                             and vb == 2))):
+        pytest.skip("the 8-bit key products take boosted channels in one chunk of 32 or none, the value products "
                     "pages of 128 and 2-bit values (decode_gluon.supports_kernel)")
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
                                v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
@@ -297,10 +297,9 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     assert decode_gluon.supports_kernel(kernel, q, kv)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-    if i8:
+    if decode_gluon.I8_PRODUCTS[kernel]:
         check_i8_kernel(q, kv, kernel, ref, tol)
-        if kernel != "gluon-tma-i16k":      # the key limbs alone are meant to keep the exact kernels' bar, below
-            return
+        return
     for splits, maxnreg in ((1, 255), (3, 168), (None, None)):          # None: the defaults
         workspace = DecodeWorkspace()
         poisoned = workspace.get(q, (splits or split_count(q, kv, kernel, GLUON_MAXNREG)) + rest_parts(kv))
@@ -329,9 +328,7 @@ def check_i8_kernel(q, kv, kernel, ref, tol):
     d = q.shape[-1]
     heads = 2.0 ** torch.linspace(-2, 2, q.shape[1], device=q.device)
     for queries in (q, (q.float() * heads[None, :, None]).to(q.dtype)):
-        i8 = decode_gluon.I8_PRODUCTS[kernel]
-        expected = decode_attention_i8_ref(queries, kv, d ** -0.5, values=i8 in decode_gluon.INTEGER_VALUES,
-                                           limbs=i8 >= 3)
+        expected = decode_attention_i8_ref(queries, kv, d ** -0.5, values=decode_gluon.I8_PRODUCTS[kernel] == 2)
         exact = ref if queries is q else decode_attention_ref(queries, kv, d ** -0.5)
         one = decode_attention(queries, kv, d ** -0.5, num_splits=1, kernel=kernel)
         assert rel_err(one, expected) < max(tol, 0.2 * rel_err(expected, exact)), \
@@ -353,54 +350,6 @@ def test_i8_reference_rounds_the_operands_it_says():
     keys = rel_err(decode_attention_i8_ref(q, kv, 64 ** -0.5, values=False), ref)
     both = rel_err(decode_attention_i8_ref(q, kv, 64 ** -0.5, values=True), ref)
     assert 1e-4 < keys < 0.05 and keys < both < 0.25, (keys, both)
-
-
-def test_limbs_reference_is_near_the_fp16_operands(monkeypatch):
-    """kernels/i8_reference.py's two limbs on the CPU: the key limbs keep the output within 25 % of where the exact
-    kernel's fp16 operands alone put it (measured 11 %), key and value limbs within 5x (measured 2.3x on this case:
-    p * scale in a fixed point of 15 bits), both an order of magnitude closer than the 8-bit keys."""
-    import kernels.i8_reference as reference
-    kv, _, _ = random_paged_kv([600, 300], heads=2, head_dim=64, sink=32, page_size=128, window=128, n_boost=32,
-                               dtype=torch.float32, seed=4)
-    q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(5))
-    ref = decode_attention_ref(q, kv, 64 ** -0.5)
-
-    real = reference.limbs
-
-    def error(limbs):                                     # the reference with these limbs
-        monkeypatch.setattr(reference, "limbs", limbs)
-        return rel_err(reference.decode_attention_i8_ref(q, kv, 64 ** -0.5, values=True, limbs=True), ref)
-
-    both = error(real)
-    keys = error(lambda v: real(v) if v.shape[-1] != 128 else (v, torch.zeros_like(v)))   # value operands: G = 128
-    fp16 = error(lambda v: (v, torch.zeros_like(v)))                                      # no limbs: fp16 operands
-    eight_bit_keys = rel_err(reference.decode_attention_i8_ref(q, kv, 64 ** -0.5, values=False), ref)
-    assert 0 < fp16 < keys < 1.25 * fp16 and keys < both < min(5 * fp16, eight_bit_keys / 10), (fp16, keys, both)
-
-
-def test_limbs_split_every_fp16_operand_exactly():
-    """decode_gluon.I16_ROUND_ASM's fp16 arithmetic, emulated (each fma rounded once to fp16), on every fp16 operand
-    x * s with |x * s| < 128: its two bytes are the s8 limbs that kernels/i8_reference.limbs gives, in [-127, 127], and
-    hi + lo / 128 is x * s wherever |x * s| >= 8, within 2^-8 below."""
-    from kernels.i8_reference import LIMB_HI, limbs
-    v = torch.arange(0, 2 ** 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
-    v = v[torch.isfinite(v) & (v.abs() < 128)].double()
-
-    # fma.rn.f16x2 rounds the exact a * b + c once; where the result is in [1024, 2048), fp16's step there is 1, so
-    # that rounding is float64's round half to even (torch's .half() from float64 rounds twice, through float32)
-    magic = 1536.0
-    cs = torch.tensor(LIMB_HI).half().double()                                         # I16_HI * s, s = 1 here
-    h = torch.round(v * cs + magic)                                                    # x * (I16_HI * s) + 1536
-    low = v + (magic - h)                                                              # x * s - hi
-    assert torch.equal(low.half().double(), low)                                       # exact in fp16
-    lo_word = torch.round(low * 128.0 + magic)
-    assert ((h >= 1024) & (h < 2048) & (lo_word >= 1024) & (lo_word < 2048)).all()   # the integers' low bytes
-    hi, lo = h - magic, lo_word - magic
-    ref_hi, ref_lo = limbs(v.float())
-    assert torch.equal(hi.float(), ref_hi) and torch.equal(lo.float(), ref_lo)
-    assert hi.abs().max() <= 127 and lo.abs().max() <= 127
-    err = (hi + lo / 128 - v).abs()
-    assert err[v.abs() >= 8].max() == 0 and err.max() <= 2.0 ** -8
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(),
@@ -479,15 +428,13 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
 
 
 def test_i8_kernels_compile_for_hopper_with_integer_products():
-    """Without a GPU: the integer products' kernels (decode_attention(kernel="gluon-tma-i8k" / "gluon-tma-i8" /
-    "gluon-tma-i16" / "gluon-tma-i16k")) compile for sm_90 with the products a kitty-pro page needs and no spills in
-    the page loop at the default cap; the 8-bit keys' kernel also at 128 registers (16 programs a multiprocessor:
-    bench tune --vary i8), where the fp16 kernel spills."""
+    """Without a GPU: the 8-bit products' kernels (decode_attention(kernel="gluon-tma-i8k" / "gluon-tma-i8")) compile
+    for sm_90 with the products a kitty-pro page needs and no spills in the page loop at the default cap; the keys'
+    kernel also at 128 registers (16 programs a multiprocessor: bench tune --vary i8), where the fp16 kernel spills."""
     code = textwrap.dedent("""
         import torch
         from kernels.sass_profile import compile_gluon_kernel, profile
-        for name, i8, maxnreg in (("i8k", 1, 168), ("i8k-128", 1, 128), ("i8", 2, 168), ("i16", 3, 168),
-                                  ("i16k", 4, 168)):
+        for name, i8, maxnreg in (("i8k", 1, 168), ("i8k-128", 1, 128), ("i8", 2, 168)):
             row = profile(compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=maxnreg, use_tma=True, i8=i8))
             print(name, row["loop integer matrix"], row["loop matrix"] - row["loop integer matrix"],
                   row["loop local ld/st"])
@@ -504,10 +451,7 @@ def test_i8_kernels_compile_for_hopper_with_integer_products():
     ones = 4 * 2 + 4 * 2 * 2
     assert rows["i8k"][:2] == rows["i8k-128"][:2] == [keys, 4 * 16 + ones], run.stdout
     assert rows["i8"][:2] == [keys + values, ones], run.stdout
-    # two limbs: each integer product twice
-    assert rows["i16"][:2] == [2 * (keys + values), ones] and rows["i16k"][:2] == [2 * keys, 4 * 16 + ones], run.stdout
-    # (gluon-tma-i16k spills 4 loads and stores a page at 168 with CI's triton 3.7.1, none with the H200's 3.6)
-    assert all(spills == 0 for name, (_, _, spills) in rows.items() if name != "i16k"), run.stdout
+    assert all(spills == 0 for _, _, spills in rows.values()), run.stdout
 
 
 def test_the_kernels_halves_keep_its_copies_or_its_products():
