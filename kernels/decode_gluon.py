@@ -27,7 +27,7 @@ instructions per page). Here the layouts are explicit (Gluon), and the page layo
 One warp per program, as in the Triton kernel, with the same split of paged slots over NSPLIT programs per
 (sequence, KV head) and the same partial outputs; decode_rest.py runs the remaining blocks (sink, buffers) in a
 launch of their own, and the same merge combines both. Measured on the H200 and not kept (BENCHMARKS.md section 1,
-sessions 12, 13, 16 and 24 to 26): two warps a program, each half of a page's rows (slower or no faster at five of
+sessions 12, 13, 16 and 24 to 27): two warps a program, each half of a page's rows (slower or no faster at five of
 six shapes), the remaining blocks as programs of this launch (plain arithmetic, slower at all six), a warpgroup a
 page with Hopper's wgmma (twice the instructions a page; 2.2x slower at batch 64 / 32K), the next slot's keys
 computed beside this slot's values (its arithmetic alone no faster, 359.5 against 358.7 us at batch 64 / 32K),
@@ -35,8 +35,11 @@ programs taking their slots from a counter as they go (balanced, and no faster: 
 pages prefetched into L2 (slower at every shape), the boosted channels' queries gathered from a transposed copy
 (2 % faster at batch 64 / 32K, up to 13 % slower elsewhere: session 25), two token quarters' scores in one tile
 where the KV group has at most 4 heads (64 fewer softmax instructions a page: no faster at batch 64 / 32K, 5 %
-faster at 1 / 32K) and the sums of p and of p * zero as fp32 multiply-adds instead of products with ones (16 fewer
-matrix products a page: within 1 % at batch 64, 3-4 % slower at 1 / 4K; both session 26, in git history). No CPU
+faster at 1 / 32K), the sums of p and of p * zero as fp32 multiply-adds instead of products with ones (16 fewer
+matrix products a page: within 1 % at batch 64, 3-4 % slower at 1 / 4K; both session 26, in git history) and the
+integer products with these fp16 operands split into two 8-bit limbs (x * s = hi + lo / 128; one AND per 4 codes,
+each product twice: 14 % slower at batch 64 / 32K for the keys and values, 7 % for the keys alone, and the value
+limbs 2-3x less exact; session 27, in git history). No CPU
 interpreter runs Gluon: `decode_attention(..., kernel="gluon")` is tested on a GPU against the PyTorch reference
 (tests/test_kernels.py), and its static profile comes from `python -m kernels.sass_profile --kernel gluon`.
 """
