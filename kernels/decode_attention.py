@@ -592,7 +592,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-v2")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -615,11 +615,7 @@ GLUON_MAXNREG_FEW = 192
 # 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
 # kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
 # section 3, `python -m backend.bench quality`)
-# "gluon-tma-v2": the default's arithmetic with two value buffers, each value page copied a slot and a half of
-# arithmetic before it is read instead of half a slot (an experiment: at batch 64 / 32K the paged kernel takes 398-404
-# us where its arithmetic alone takes 358 and its copies alone 295, BENCHMARKS.md section 1, session 27; a kitty-pro
-# program's shared memory, 17.5 KB, still lets 12 programs share a multiprocessor)
-GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-v2")
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
@@ -633,8 +629,7 @@ def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_war
     shape = (q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device))
     if kernel in GLUON_KERNELS:
         from . import decode_gluon
-        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg,
-                                                                      decode_gluon.VALUE_BUFFERS.get(kernel, 1)))
+        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg))
     return default_splits(*shape, resident_programs(maxnreg, num_warps))
 
 
@@ -750,8 +745,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
 
         def paged():
             decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, use_tma, descriptors, pdl,
-                                decode_gluon.I8_PRODUCTS[kernel],
-                                value_buffers=decode_gluon.VALUE_BUFFERS.get(kernel, 1))
+                                decode_gluon.I8_PRODUCTS[kernel])
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
 

@@ -527,22 +527,13 @@ def _key_buffers(D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, TMA: gl.con
 
 
 @gluon.jit
-def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, VB: gl.constexpr):
-    """Shared memory for VB value pages' tiles: low plane, high plane, scales, zeros, each with a leading dimension
-    of VB (_value_slot takes one page's)."""
+def _value_buffers(D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr):
+    """Shared memory for a value page's tiles: low plane, high plane, scales, zeros."""
     flat: gl.constexpr = _flat_shared()
-    return (gl.allocate_shared_memory(gl.uint8, [VB] + _plane_shape(D // 4, G, G // 4, True), _plane_shared(TMA)),
-            gl.allocate_shared_memory(gl.uint8, [VB] + _plane_shape(D // 4, G, G // 4, V_BITS == 4),
-                                      _plane_shared(TMA)),
-            gl.allocate_shared_memory(gl.float16, [VB, G], flat),
-            gl.allocate_shared_memory(gl.float16, [VB, G], flat))
-
-
-@gluon.jit
-def _value_slot(vbufs, k):
-    """Value buffer k of _value_buffers' VB: the tuple _value_products and _fetch_values take."""
-    vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    return vlow_s.index(k), vhigh_s.index(k), vscale_s.index(k), vzero_s.index(k)
+    return (gl.allocate_shared_memory(gl.uint8, _plane_shape(D // 4, G, G // 4, True), _plane_shared(TMA)),
+            gl.allocate_shared_memory(gl.uint8, _plane_shape(D // 4, G, G // 4, V_BITS == 4), _plane_shared(TMA)),
+            gl.allocate_shared_memory(gl.float16, [G], flat),
+            gl.allocate_shared_memory(gl.float16, [G], flat))
 
 
 # ------------------------------------------------------------------------------------------- the same copies by TMA
@@ -619,26 +610,16 @@ def _tma_values(vbufs, bar, vpage, vlow_d, vhigh_d, vscale_d, vzero_d, D: gl.con
 
 
 @gluon.jit
-def _barrier_pair(VB: gl.constexpr):
-    """Initialised mbarriers, visible to TMA: the key buffer's, and one for each of the VB value buffers (the
-    second result: all of them, _value_barrier takes one). One allocation of TMA_ALIGN bytes (BARRIER_SLOTS 8-byte
-    barriers), like every other one of the kernel a multiple of TMA_ALIGN: so no buffer that TMA writes lands off
-    TMA's alignment (an allocation of 16 bytes before kitty's 16 boosted channels' list put it there with two value
-    buffers: "misaligned address" on the H200, BENCHMARKS.md section 1, session 27)."""
+def _barrier_pair():
+    """Two initialised mbarriers (a key and a value buffer's), visible to TMA. One allocation of TMA_ALIGN bytes,
+    like every other one of the kernel a multiple of TMA_ALIGN: so no buffer that TMA writes lands off TMA's
+    alignment (with a second value buffer, an allocation of 16 bytes before kitty's 16 boosted channels' list put it
+    there: "misaligned address" on the H200, BENCHMARKS.md section 1, session 27)."""
     bars = gl.allocate_shared_memory(gl.int64, [BARRIER_SLOTS, 1], mbarrier.MBarrierLayout())
-    for k in gl.static_range(1 + VB):
-        mbarrier.init(bars.index(k), count=1)
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=1)
     fence_async_shared()
-    return bars.index(0), bars
-
-
-@gluon.jit
-def _value_barrier(vbar, k, TMA: gl.constexpr):
-    """Value buffer k's mbarrier with TMA (cp.async counts groups instead: 0)."""
-    if TMA:
-        return vbar.index(1 + k)
-    else:
-        return 0
+    return bars.index(0), bars.index(1)
 
 
 @gluon.jit
@@ -719,12 +700,10 @@ _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 @gluon.jit
 def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
                  kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
-                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr,
-                 VB: gl.constexpr):
+                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr):
     """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split), its slot buffers
-    with the first slot's pages on their way (keys then values: _fetch_keys; with two value buffers, VB 2, the
-    second slot's values too), and the page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs,
-    kpage, kpage_next, vpage_next)."""
+    with the first slot's pages on their way (keys then values: _fetch_keys), and the page ids the loop starts
+    from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
     per_split = gl.cdiv(n_paged, NSPLIT)
     start = part * per_split
@@ -733,23 +712,18 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
     ktab = ktab_ptr + b * KMP
     vtab = vtab_ptr + b * VMP
     kbufs = _key_buffers(D, G, NB, TMA)
-    vbufs = _value_buffers(D, G, V_BITS, TMA, VB)
+    vbufs = _value_buffers(D, G, V_BITS, TMA)
     kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
     vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
     if start < end:
         _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
         _commit(TMA)
-        _fetch_values(_value_slot(vbufs, 0), _value_barrier(vbar, 0, TMA), vpage, vlow_ptr, vhigh_ptr, vscale_ptr,
-                      vzero_ptr, D, G, V_BITS, TMA)
+        _fetch_values(vbufs, vbar, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
         _commit(TMA)
     # the next slot's page ids (the copies' addresses); each iteration loads the one after, a slot before its use.
     # A program without slots reads no table entry (a sequence's row may have none)
     kpage_next = gl.load(ktab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
     vpage_next = gl.load(vtab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
-    if VB == 2:
-        if start + 1 < end:
-            _fetch_values(_value_slot(vbufs, 1), _value_barrier(vbar, 1, TMA), vpage_next, vlow_ptr, vhigh_ptr,
-                          vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
     return start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next
 
 
@@ -777,7 +751,7 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, VB: gl.constexpr = 1, PDL: gl.constexpr = False,
+        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, PAD: gl.constexpr = "",
         PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
@@ -792,9 +766,7 @@ def _gluon_paged_kernel(
     measurement, `bench tune --vary pad`): PAD_N more instructions a page of one kind ("alu": LOP3, "fma": FFMA,
     "mma": HMMA) on the scores, that add nothing (pad_zero, 0 at run time, masks them out): what one more instruction
     of each kind costs this kernel (_pad); PAD "noswap" (PAD_N 0): the second operands without _b_operand's row swap,
-    wrong partials, 32 byte permutes fewer a kitty-pro page (what a page layout without the swap would save). VB
-    (TMA only): value buffers, 1 or 2 (decode_attention(kernel="gluon-tma-v2"): each value page on its way a slot
-    and a half of arithmetic ahead instead of half a slot)."""
+    wrong partials, 32 byte permutes fewer a kitty-pro page (what a page layout without the swap would save)."""
     if times_ptr is not None:
         started = _globaltimer()
     if PDL:
@@ -806,13 +778,13 @@ def _gluon_paged_kernel(
     D4: gl.constexpr = D // 4
     SWAP: gl.constexpr = PAD != "noswap"            # _b_operand's row swap (not for the "noswap" measurement)
     if TMA:
-        kbar, vbar = _barrier_pair(VB)
+        kbar, vbar = _barrier_pair()
     else:
         kbar = 0                                    # cp.async groups need no barrier
         vbar = 0
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA, VB)
+        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA)
     q_rows, hmask_b, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
 
     mma: gl.constexpr = _mma()
@@ -826,21 +798,9 @@ def _gluon_paged_kernel(
     phase = 0
     if not COPIES:                                  # the first slot's pages, then no copies and no waits
         _arrived(kbar, 0, TMA)
-        for k in gl.static_range(VB):
-            if start + k < end:
-                _arrived(_value_barrier(vbar, k, TMA), 0, TMA)
+        _arrived(vbar, 0, TMA)
     for slot in range(start, end):
         more = COPIES and slot + 1 < end
-        # the value buffer of this slot (VB 2: each one refilled with the slot after next's values, a slot and a
-        # half of arithmetic before they are read) and its mbarrier's phase
-        if VB == 1:
-            vk = 0
-            vphase = phase
-        else:
-            vk = (slot - start) % 2
-            vphase = ((slot - start) // 2) & 1
-        vbufs_k = _value_slot(vbufs, vk)
-        vbar_k = _value_barrier(vbar, vk, TMA)
         kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         if COPIES:
@@ -859,18 +819,14 @@ def _gluon_paged_kernel(
             _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
         _commit(TMA)
         if COPIES:
-            _arrived(vbar_k, vphase, TMA)           # this slot's values are in (the next slot's keys may not be)
+            _arrived(vbar, phase, TMA)              # this slot's values are in (the next slot's keys may not be)
         _BARRIER()
         if COMPUTE:
-            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs_k, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
+            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
                                                                     acc1, acc2, acc3, D, G, V_BITS, I8 == 2, SWAP)
         _BARRIER()                                  # the value reads are done: refill the value buffer
-        if VB == 1:
-            if more:
-                _fetch_values(vbufs_k, vbar_k, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS,
-                              TMA)
-        elif COPIES and slot + 2 < end:
-            _fetch_values(vbufs_k, vbar_k, vpage_after, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
+        if more:
+            _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
         _commit(TMA)
         phase = phase ^ 1
         kpage = kpage_next
@@ -959,24 +915,23 @@ CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one 
 TMA_BARRIERS = 128                  # the mbarriers' allocation (BARRIER_SLOTS)
 
 
-def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, value_buffers: int = 1) -> int:
-    """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers (value_buffers value
-    pages), the conversion scratch and, with TMA, the mbarriers as the compiler places them (the placeholders of
-    planes the method lacks are never used, and the compiler drops them; tests/test_kernels.py checks this against
-    compiled kernels)."""
+def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False) -> int:
+    """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers, the conversion scratch
+    and, with TMA, the two mbarriers as the compiler places them (the placeholders of planes the method lacks are
+    never used, and the compiler drops them; tests/test_kernels.py checks this against compiled kernels)."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + (max(nb, TMA_ALIGN.value) if nb else 0) + 4 * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
-    return 16 * d + CONVERT_SCRATCH + key + value * value_buffers + (TMA_BARRIERS if use_tma else 0)
+    return 16 * d + CONVERT_SCRATCH + key + value + (TMA_BARRIERS if use_tma else 0)
 
 
-def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, value_buffers: int = 1) -> int:
+def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
     """Programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers and by shared memory. A
     warp's registers come from one of the 4 schedulers' files of 16,384 (in steps of 8 a thread), so 129 to 170
     registers a thread leave 3 warps a scheduler, 12 one-warp programs (ncu on the H200 at 144 and 168 registers:
-    BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg). value_buffers: shared_bytes'."""
+    BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
     by_registers = 4 * (16384 // (32 * (-(-maxnreg // 8) * 8)))
-    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, value_buffers=value_buffers) + SHARED_RESERVED)
+    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim) + SHARED_RESERVED)
     return max(1, min(by_registers, by_shared))
 
 
@@ -1009,7 +964,7 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
                      use_tma: bool = False, descriptors: tuple | None = None,
-                     i8: int = 0, value_buffers: int = 1) -> tuple[tuple, dict]:
+                     i8: int = 0) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
     use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here). Also used to
@@ -1021,7 +976,7 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     I8=i8, VB=value_buffers)
+                     I8=i8)
     return args, constants
 
 
@@ -1034,9 +989,7 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 # decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
 # value products too
-I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2, "gluon-tma-v2": 0}
-# ... and the kernels with two value buffers (the kernel's VB; TMA only)
-VALUE_BUFFERS = {"gluon-tma-v2": 2}
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
@@ -1052,14 +1005,13 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
            compute: bool = True, copies: bool = True, times: torch.Tensor | None = None,
-           pad: tuple[str, int] | None = None, value_buffers: int = 1) -> None:
+           pad: tuple[str, int] | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
-    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only);
-    value_buffers: VALUE_BUFFERS' (with TMA only).
+    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
     4 a program), each program's start, end and multiprocessor; pad (kind, instructions a page): the kernel's
     PAD / PAD_N."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, value_buffers)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times,
         **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,

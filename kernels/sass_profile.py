@@ -90,7 +90,7 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
                          pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
-                         times: bool = False, pad: tuple[str, int] | None = None, value_buffers: int = 1):
+                         times: bool = False, pad: tuple[str, int] | None = None):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
     bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline; pad:
@@ -102,7 +102,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8, value_buffers=value_buffers)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8)
     return _compile(GluonASTSource, _gluon_paged_kernel, args,
                     {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies,
                      **({} if times else {"times_ptr": None}), "PAD": pad[0] if pad else "",
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                              "Gluon kernel's programs are one warp)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
     parser.add_argument("--kernel", default="triton",
-                        choices=["triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-v2", "rest"],
+                        choices=["triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "rest"],
                         help="decode_attention's kernel over the paged blocks (gluon, gluon-tma: "
                              "kernels/decode_gluon.py), or the one over the remaining blocks (rest: "
                              "kernels/decode_rest.py, no loop)")
@@ -222,13 +222,12 @@ def main(argv=None) -> int:
     for method in args.method:
         if args.kernel.startswith("gluon"):
             from backend.methods import method_config
-            from kernels.decode_gluon import I8_PRODUCTS, VALUE_BUFFERS
+            from kernels.decode_gluon import I8_PRODUCTS
             if I8_PRODUCTS[args.kernel] and method_config(method).boosted_channels(128) not in (0, 32):
                 print(f"{method:>10}: {args.kernel} declines its boosted channels (decode_gluon.supports_kernel)")
                 continue
             compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
-                                            use_tma=args.kernel != "gluon", i8=I8_PRODUCTS[args.kernel],
-                                            value_buffers=VALUE_BUFFERS.get(args.kernel, 1))
+                                            use_tma=args.kernel != "gluon", i8=I8_PRODUCTS[args.kernel])
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps)
         else:
