@@ -917,9 +917,10 @@ TMA_BARRIERS = 128                  # the mbarriers' allocation (BARRIER_SLOTS)
 
 
 def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False) -> int:
-    """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers, the conversion scratch
-    and, with TMA, the two mbarriers as the compiler places them (the placeholders of planes the method lacks are
-    never used, and the compiler drops them; tests/test_kernels.py checks this against compiled kernels)."""
+    """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers (the boosted channels'
+    list padded to TMA_ALIGN), the conversion scratch and, with TMA, the mbarriers' allocation (the placeholders of
+    planes the method lacks are never used, and the compiler drops them; tests/test_kernels.py checks this against
+    compiled kernels)."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + (max(nb, TMA_ALIGN.value) if nb else 0) + 4 * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
