@@ -260,7 +260,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "pdl", "i8", "loads", "timeline", "pad")
+               "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "timeline", "pad")
 
 
 def bench_tune(args) -> dict:
@@ -291,7 +291,7 @@ def bench_tune(args) -> dict:
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False,
-                        loads=None, rest_maxnreg=None, timeline=False, pad=None)
+                        loads=None, rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None)
 
             default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
             default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
@@ -330,6 +330,9 @@ def bench_tune(args) -> dict:
                       # a program fit beside 11 paged programs of 168 registers (one warp of at most 176 registers)
                       "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}
                                    for w, r in ((None, None), (1, None), (1, 168), (2, 96))],
+                      # ... and at blocks a program (None: decode_rest.rest_blocks_per_program; 9 is all of a
+                      # Qwen3-8B kitty-pro sequence's at 32K)
+                      "rest-blocks": [{**gluon(cap), "pdl": True, "rest_blocks": n} for n in (None, 1, 2, 3, 5, 9)],
                       # the default Gluon kernel at its default cap and split, with its three launches in a row and
                       # chained by programmatic dependent launch (decode_launches' pdl)
                       "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
@@ -367,7 +370,8 @@ def bench_tune(args) -> dict:
                                                num_warps=setting["warps"], num_stages=setting["stages"],
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                                rest_warps=setting["rest_warps"], pdl=setting["pdl"],
-                                               rest_maxnreg=setting["rest_maxnreg"])
+                                               rest_maxnreg=setting["rest_maxnreg"],
+                                               rest_blocks=setting["rest_blocks"])
                 times = None
                 if setting["timeline"]:
                     times = torch.zeros(batch * h * setting["splits"] * 4, dtype=torch.int64, device=device)

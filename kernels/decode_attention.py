@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .decode_rest import launch_rest, rest_parts, rest_warps as default_rest_warps
+from .decode_rest import launch_rest, rest_blocks_per_program, rest_parts, rest_warps as default_rest_warps
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV, key_offsets, value_offsets
 
@@ -656,7 +656,8 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
-                     pdl: bool | None = None, rest_maxnreg: int | None = None) -> torch.Tensor:
+                     pdl: bool | None = None, rest_maxnreg: int | None = None,
+                     rest_blocks: int | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches (decode_launches): the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers)
     and the merge of their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default:
@@ -666,12 +667,13 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
     same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
-    (choose_kernel). rest_warps / rest_maxnreg: warps a program of the remaining blocks (default:
-    decode_rest.rest_warps) and their register cap (default: the compiler's). pdl: the
+    (choose_kernel). rest_warps / rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default:
+    decode_rest.rest_warps), their register cap (default: the compiler's) and blocks a program (default:
+    decode_rest.rest_blocks_per_program). pdl: the
     three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
     buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
-                           rest_warps, pdl, rest_maxnreg)()
+                           rest_warps, pdl, rest_maxnreg, rest_blocks)()
 
 
 @dataclass
@@ -695,7 +697,8 @@ class DecodeLaunches:
 def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
                     workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
-                    pdl: bool | None = None, rest_maxnreg: int | None = None) -> DecodeLaunches:
+                    pdl: bool | None = None, rest_maxnreg: int | None = None,
+                    rest_blocks: int | None = None) -> DecodeLaunches:
     """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
     the merge, with the kernel, split, register cap and warps resolved as it resolves them.
 
@@ -721,7 +724,9 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
                                  num_warps)
     if maxnreg is None:
         maxnreg = gluon_maxnreg(q, kv, num_splits) if kernel in GLUON_KERNELS else MAXNREG
-    rest = rest_parts(kv)
+    if rest_blocks is None:
+        rest_blocks = rest_blocks_per_program(bsz * h, rest_parts(kv), multiprocessors(q.device))
+    rest = rest_parts(kv, rest_blocks)
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
     workspace = workspace or DecodeWorkspace()
@@ -736,7 +741,8 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     # launch, slower at all six; first, with the paged kernel started beside them by PDL, 2 us slower at batch 1 /
     # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
     def remaining():
-        launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg)
+        launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
+                    rest_blocks)
 
     if kernel in GLUON_KERNELS:
         from . import decode_gluon

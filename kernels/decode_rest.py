@@ -3,11 +3,15 @@ one with both a key page and a value page (a key page whose values are still in 
 Q-buffers, everything of a 16-bit side).
 
 The paged slots' kernels (decode_attention.py's Triton kernel, decode_gluon.py) walk many pages a program; these
-blocks are few and short, so what matters is latency: one program per REST_TOKENS tokens, which loads its keys,
-values and queries at once (as dense (tokens, channels) tiles: a key page's token t is row t % (G/4) of its planes
-at bit 2 * (t // (G/4)), a value page's tokens are its planes' columns), then the products and a softmax over its
-tokens.
-It writes a partial (output, max, sum) like a split program's, which decode_attention's merge combines with them.
+blocks are few and short. They are taken REST_TOKENS tokens at a time: a block's keys, values and queries are loaded
+at once (as dense (tokens, channels) tiles: a key page's token t is row t % (G/4) of its planes at bit
+2 * (t // (G/4)), a value page's tokens are its planes' columns), then the products and a softmax over its tokens.
+Where the launch is a wave or less (batch 1 and 2 of Qwen3-8B), a program takes one block, for latency; in larger
+launches a program takes several with a running softmax (rest_blocks_per_program), since there each program's
+queries, set-up and partial cost as much as a block's arithmetic, and what the launch costs a call beside the paged
+kernel is its instructions (BENCHMARKS.md section 1, session 25).
+A program writes a partial (output, max, sum) like a split program's, which decode_attention's merge combines with
+them.
 
 Measured on the H200 (BENCHMARKS.md section 1, session 12): the split kernel's own branch for these blocks, one
 program per page-sized block walking its channels and token quarters one chunk at a time, took 8.5-11 us at batch 1
@@ -22,8 +26,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .layout import PagedKV, key_offsets, value_offsets
 
-# Tokens of a program. 64 and 128 (fewer partials to write and merge at large batch, more latency a program) were
-# slower or no faster at all six Qwen3-8B shapes (BENCHMARKS.md section 1, session 13): 32 stays, without an option.
+# Tokens of a block. 64 and 128 (one block a program then: fewer partials to write and merge at large batch, more
+# latency a program) were slower or no faster at all six Qwen3-8B shapes (BENCHMARKS.md section 1, session 13).
 REST_TOKENS = 32
 
 
@@ -38,65 +42,52 @@ def rest_warps(programs: int, sm_count: int) -> int:
 
 
 def rest_block_tokens(page_size: int) -> int:
-    """Tokens of one program: REST_TOKENS, or a whole page where pages are shorter; at least 16 (the matrix
-    products' smallest tile)."""
+    """Tokens of one block: REST_TOKENS, or a whole page where pages are shorter; at least 16 (the matrix products'
+    smallest tile)."""
     return max(16, min(REST_TOKENS, triton.next_power_of_2(page_size)))
 
 
-def rest_parts(kv: PagedKV) -> int:
-    """An upper bound (from sizes the host knows) on a sequence's programs here (rest_blocks of its buffers'
-    capacity)."""
-    return rest_blocks(kv.page_size, kv.sink, max(kv.k_fp.shape[2], kv.v_fp.shape[2]))
+def rest_parts(kv: PagedKV, blocks_per_program: int = 1) -> int:
+    """A sequence's programs here, each writing one partial: its blocks (rest_blocks of its buffers' capacity, an
+    upper bound from sizes the host knows) blocks_per_program at a time."""
+    return triton.cdiv(rest_blocks(kv.page_size, kv.sink, max(kv.k_fp.shape[2], kv.v_fp.shape[2])), blocks_per_program)
+
+
+def rest_blocks_per_program(sequences: int, blocks: int, sm_count: int) -> int:
+    """Blocks a program takes in a launch over `sequences` (sequence, KV head) pairs of `blocks` blocks each: one
+    while the blocks fill at most two programs a multiprocessor (the launch is then latency-bound: batch 1 and 2 of
+    Qwen3-8B's kitty-pro), else as many as leave about two programs a multiprocessor, all of a sequence's at batch
+    64 (9: 512 programs instead of 4,608, each loading its queries and writing its partial once)."""
+    return min(blocks, max(1, sequences * blocks // (2 * sm_count)))
 
 
 def rest_blocks(page_size: int, sink: int, capacity: int) -> int:
-    """Programs of a sequence whose full-precision buffers hold at most `capacity` tokens (sink included), with
+    """Blocks of a sequence whose full-precision buffers hold at most `capacity` tokens (sink included), with
     rest_block_tokens(page_size) tokens each: the sink's, and those of the slots after the paged ones.
     Those slots start at a slot boundary and span the longer side's buffer: with n_kpages >= n_vpages, the key pages
     past the paged slots and the key buffer hold as many tokens as the value buffer (and the other way round), so
     at most capacity - sink tokens, and only the blocks that those tokens can reach are launched: a last slot that
     the capacity only starts (a buffer's flush_spread - 1 waiting tokens) gets the blocks of its first tokens, not
-    a page's (kitty-pro with a spread of 13: 10 programs a sequence instead of 13)."""
+    a page's (kitty-pro with a spread of 13: 10 blocks a sequence instead of 13)."""
     t = rest_block_tokens(page_size)
     tokens = capacity - sink
     return triton.cdiv(sink, t) + triton.cdiv(page_size, t) * (tokens // page_size) + triton.cdiv(tokens % page_size, t)
 
 
-@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NPART", "FIRST_PART"])
-def _rest_kernel(
-        q_ptr, kfp_ptr, vfp_ptr,
-        klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
-        vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
-        ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr,
-        po_ptr, pm_ptr, pl_ptr,
-        qk_scale, CK, CV, KMP, VMP, NPART, FIRST_PART,
-        H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (b, h, j): block j of sequence b's remaining tokens for KV head h, written as part FIRST_PART + j.
-    Blocks 0 .. cdiv(sink, T) - 1 are the sink's; then each slot after the paged ones (n_paged = min(n_kpages,
-    n_vpages)) gives cdiv(G, T) blocks of T consecutive tokens. A block past the sequence's end writes an empty
-    partial (max -inf, which the merge weighs 0). PDL: launched beside the paged slots' kernel (decode_launches'
-    pdl): the merge after it may start at once, and the grid's last program waits for the paged grid before it
-    ends, so that this grid's end (what the merge waits for) means both are done. Only one program waits: while
-    every program waited, the programs that had started held their multiprocessors' registers until the paged grid
-    ended, and the rest could not start before then (kivi-k2v2 at batch 64 / 4K: 70.0 us a call then, 65.0 now; at
-    64 / 32K this grid's work runs inside the paged kernel's time and lengthens it by about its own cost, 31.5 us:
-    BENCHMARKS.md section 1, session 25)."""
-    if PDL:
-        gdc_launch_dependents()
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    j = tl.program_id(2)
+@triton.jit
+def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
+                vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, ktab_ptr, vtab_ptr, b, h, kv_head, length, nkp, nvp,
+                n_paged, sink_len, n_sink, qk_scale, CK, CV, KMP, VMP,
+                H: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
+                V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Block j of a sequence's remaining tokens: its scores (BLOCK_M heads, T tokens; log2 units, -inf where a
+    token does not exist) and values (T, BLOCK_D) as DOT operands. Blocks 0 .. cdiv(sink, T) - 1 are the sink's;
+    then each slot after the paged ones (n_paged = min(n_kpages, n_vpages)) gives cdiv(G, T) blocks of T
+    consecutive tokens. 16-bit rows are loaded as operands as they are; page codes are dequantized in float32."""
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     PIECES: tl.constexpr = (G + T - 1) // T             # blocks of a slot
-    length = tl.load(seqlen_ptr + b)
-    nkp = tl.load(nkp_ptr + b)
-    nvp = tl.load(nvp_ptr + b)
-    n_paged = tl.minimum(nkp, nvp)
-    sink_len = tl.minimum(length, S)
-    n_sink = tl.cdiv(sink_len, T)
     in_sink = j < n_sink
     u = tl.maximum(j - n_sink, 0)                       # the block's place among the slots' blocks
     slot = n_paged + u // PIECES
@@ -106,17 +97,10 @@ def _rest_kernel(
     row = tok % G4                                      # and column tok of the value planes)
     # the block's tokens that exist: in the slot (pages that T does not divide) and in the sequence
     valid = tl.where(in_sink, j * T + t < sink_len, (tok < G) & (S + slot * G + tok < length))
-    kv_head = (b * H + h).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
 
-    heads = tl.arange(0, BLOCK_M)
-    hmask = heads < GROUP
-    rows = (kv_head * GROUP + heads).to(tl.int64)
-    q_rows = q_ptr + rows[:, None] * D
-    q = tl.load(q_rows + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * qk_scale
-
-    # keys (T, D) in float32: T tokens of key page `slot` (its low bits; the boosted channels' high bits add
+    # keys (T, D): T tokens of key page `slot` (its low bits, dequantized; the boosted channels' high bits add
     # 4 * (q_c * scale_c) * high_c to the scores, `boost`), or full-precision rows
     boost = tl.zeros((BLOCK_M, T), tl.float32)
     if (j >= n_sink) & (slot < nkp):
@@ -126,7 +110,7 @@ def _rest_kernel(
                       mask=(tok < G)[:, None] & dmask[None, :], other=0)
         scale = tl.load(kscale_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
-        keys = ((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :]
+        keys = (((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :]).to(DOT)
         if NB > 0:
             r = tl.arange(0, BLOCK_NB)
             rmask = r < NB
@@ -141,7 +125,7 @@ def _rest_kernel(
     else:
         krow = tl.where(in_sink, j * T, S + (slot - nkp) * G + (u % PIECES) * T)
         keys = tl.load(kfp_ptr + (kv_head * CK + krow + t[:, None]) * D + d[None, :],
-                       mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+                       mask=valid[:, None] & dmask[None, :], other=0.0).to(DOT)
     # values (T, D): the same tokens of value page `slot`, or full-precision rows
     if (j >= n_sink) & (slot < nvp):
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
@@ -153,39 +137,108 @@ def _rest_kernel(
             code = code | (((tl.load(vhigh_ptr + offs, mask=tmask, other=0).to(tl.int32) >> shift) & 3) << 2)
         scale = tl.load(vscale_ptr + vpage * G + tok, mask=tok < G, other=0.0).to(tl.float32)
         zero = tl.load(vzero_ptr + vpage * G + tok, mask=tok < G, other=0.0).to(tl.float32)
-        values = code.to(tl.float32) * scale[:, None] + zero[:, None]
+        values = (code.to(tl.float32) * scale[:, None] + zero[:, None]).to(DOT)
     else:
         vrow = tl.where(in_sink, j * T, S + (slot - nvp) * G + (u % PIECES) * T)
         values = tl.load(vfp_ptr + (kv_head * CV + vrow + t[:, None]) * D + d[None, :],
-                         mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+                         mask=valid[:, None] & dmask[None, :], other=0.0).to(DOT)
 
-    scores = tl.dot(q.to(DOT), tl.trans(keys.to(DOT)), boost, input_precision=PREC)   # (heads, tokens), log2
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    m = tl.max(scores, axis=1)
-    p = tl.math.exp2(scores - tl.where(m > float("-inf"), m, 0.0)[:, None])    # 0 where masked, also if all are
-    out = tl.dot(p.to(DOT), values.to(DOT), input_precision=PREC)              # (heads, channels)
+    scores = tl.dot(q_dot, tl.trans(keys), boost, input_precision=PREC)          # (heads, tokens), log2
+    return tl.where(valid[None, :], scores, float("-inf")), values
 
-    idx = rows * NPART + FIRST_PART + j
-    tl.store(pm_ptr + idx, m, mask=hmask)
-    tl.store(pl_ptr + idx, tl.sum(p, axis=1), mask=hmask)
-    tl.store(po_ptr + idx[:, None] * D + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
+
+@triton.jit
+def _block_exists(j, n_sink, sink_len, n_paged, length, S: tl.constexpr, G: tl.constexpr, T: tl.constexpr):
+    """Whether block j (as _rest_block numbers them) holds a token of the sequence."""
+    PIECES: tl.constexpr = (G + T - 1) // T
+    u = tl.maximum(j - n_sink, 0)
+    first = (u % PIECES) * T
+    return tl.where(j < n_sink, j * T < sink_len, (first < G) & (S + (n_paged + u // PIECES) * G + first < length))
+
+
+@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NPART", "FIRST_PART", "NBLK", "BPP"])
+def _rest_kernel(
+        q_ptr, kfp_ptr, vfp_ptr,
+        klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
+        vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
+        ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr,
+        po_ptr, pm_ptr, pl_ptr,
+        qk_scale, CK, CV, KMP, VMP, NPART, FIRST_PART, NBLK, BPP,
+        H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+        NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1 (of the NBLK launched a sequence; _rest_block numbers
+    them) of sequence b's remaining tokens for KV head h, one after the other with a running softmax, written as
+    part FIRST_PART + p. Blocks without a token of the sequence are skipped (a program with none writes an empty
+    partial, max -inf, which the merge weighs 0). Why several blocks a program: where the launch has many programs,
+    each one's queries, set-up and partial cost as much as a block's arithmetic; one program a block keeps the
+    latency low where the launch is a wave or less (rest_blocks_per_program). PDL: launched beside the paged slots'
+    kernel (decode_launches' pdl): the merge after it may start at once, and the grid's last program waits for the
+    paged grid before it ends, so that this grid's end (what the merge waits for) means both are done. Only one
+    program waits: while every program waited, the programs that had started held their multiprocessors' registers
+    until the paged grid ended, and the rest could not start before then (kivi-k2v2 at batch 64 / 4K: 70.0 us a call
+    then, 65.0 now; BENCHMARKS.md section 1, session 25)."""
     if PDL:
-        if (b == tl.num_programs(0) - 1) & (h == tl.num_programs(1) - 1) & (j == tl.num_programs(2) - 1):
+        gdc_launch_dependents()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.program_id(2)
+    length = tl.load(seqlen_ptr + b)
+    nkp = tl.load(nkp_ptr + b)
+    nvp = tl.load(nvp_ptr + b)
+    n_paged = tl.minimum(nkp, nvp)
+    sink_len = tl.minimum(length, S)
+    n_sink = tl.cdiv(sink_len, T)
+    kv_head = (b * H + h).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    heads = tl.arange(0, BLOCK_M)
+    hmask = heads < GROUP
+    rows = (kv_head * GROUP + heads).to(tl.int64)
+    q_rows = q_ptr + rows[:, None] * D
+    q = tl.load(q_rows + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * qk_scale
+    q_dot = q.to(DOT)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for i in range(BPP):
+        j = p * BPP + i
+        if (j < NBLK) & _block_exists(j, n_sink, sink_len, n_paged, length, S, G, T):
+            scores, values = _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, kch_ptr,
+                                         kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, ktab_ptr,
+                                         vtab_ptr, b, h, kv_head, length, nkp, nvp, n_paged, sink_len, n_sink,
+                                         qk_scale, CK, CV, KMP, VMP, H, D, S, G, NB, V_BITS, DOT, PREC, T, BLOCK_M,
+                                         BLOCK_D, BLOCK_NB)
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)                # rows with no score yet stay empty
+            alpha = tl.math.exp2(m_i - m_use)
+            prob = tl.math.exp2(scores - m_use[:, None])                       # 0 where masked
+            l_i = l_i * alpha + tl.sum(prob, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(DOT), values, input_precision=PREC)
+            m_i = m_new
+
+    idx = rows * NPART + FIRST_PART + p
+    tl.store(pm_ptr + idx, m_i, mask=hmask)
+    tl.store(pl_ptr + idx, l_i, mask=hmask)
+    tl.store(po_ptr + idx[:, None] * D + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+    if PDL:
+        if (b == tl.num_programs(0) - 1) & (h == tl.num_programs(1) - 1) & (p == tl.num_programs(2) - 1):
             gdc_wait()
 
 
 def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,
-                          prec: str, pdl: bool = False) -> tuple[tuple, dict]:
+                          prec: str, pdl: bool = False, blocks_per_program: int = 1) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _rest_kernel: parts (output, max, sum) first_part ..
-    first_part + rest_parts(kv) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e); dot / prec: the
-    products' operand type and input precision, decode_attention's).
+    first_part + rest_parts(kv, blocks_per_program) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e);
+    dot / prec: the products' operand type and input precision, decode_attention's).
     Also used to compile the kernel for a profile (kernels.sass_profile)."""
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
     args = (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high,
             kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages, kv.n_vpages, *parts, qk_scale,
             kv.k_fp.shape[2], kv.v_fp.shape[2], kv.k_table.shape[1], kv.v_table.shape[1], parts[1].shape[2],
-            first_part)
+            first_part, rest_parts(kv), blocks_per_program)
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
                      PREC=prec, T=rest_block_tokens(kv.page_size), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
                      BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)),
@@ -194,12 +247,12 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
-                num_warps: int, pdl: bool = False, maxnreg: int | None = None) -> None:
-    """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program;
-    pdl: by programmatic dependent launch, beside the paged slots' kernel launched just before; maxnreg: a register
-    cap per thread (a one-warp program of at most 176 fits beside 11 paged programs of 168 registers, which leave one
-    scheduler 5,632 registers: bench tune --vary rest-pdl)."""
-    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl)
-    _rest_kernel[(q.shape[0], kv.k_fp.shape[1], rest_parts(kv))](*args, **constants, num_warps=num_warps,
-                                                                 **({"launch_pdl": True} if pdl else {}),
-                                                                 **({"maxnreg": maxnreg} if maxnreg else {}))
+                num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1) -> None:
+    """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program,
+    blocks_per_program blocks each; pdl: by programmatic dependent launch, beside the paged slots' kernel launched
+    just before; maxnreg: a register cap per thread (a one-warp program of at most 176 fits beside 11 paged programs
+    of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary rest-pdl)."""
+    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program)
+    grid = (q.shape[0], kv.k_fp.shape[1], rest_parts(kv, blocks_per_program))
+    _rest_kernel[grid](*args, **constants, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+                       **({"maxnreg": maxnreg} if maxnreg else {}))

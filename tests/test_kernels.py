@@ -23,8 +23,8 @@ from backend.methods import method_config
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC,
                                       DecodeWorkspace, balanced_splits, decode_attention, decode_attention_ref,
                                       default_splits, field_weights, gather_kv, gluon_maxnreg, merge_blocks,
-                                      merge_splits, split_count, unpack_asm)
-from kernels.decode_rest import rest_blocks, rest_parts, rest_warps
+                                      merge_splits, multiprocessors, split_count, unpack_asm)
+from kernels.decode_rest import rest_blocks, rest_blocks_per_program, rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import (boost_mask, key_chunks, key_plane_shape, key_rows, pack_quarters, unpack_quarters,
@@ -366,6 +366,35 @@ def test_remaining_blocks_warps(kernel, rest_warps, rest_maxnreg):
     assert rel_err(expected, decode_attention_ref(q, kv, 128 ** -0.5)) < 1.5e-2
     out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps, rest_maxnreg=rest_maxnreg)
     assert rel_err(out, expected) < 1e-3
+    for blocks in (2, 9):                           # several blocks a program, as at larger batches by default
+        out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps, rest_maxnreg=rest_maxnreg,
+                               rest_blocks=blocks)
+        assert rel_err(out, expected) < 1e-3, f"{blocks} blocks a program: {rel_err(out, expected):.2e}"
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 4, 100])
+def test_remaining_blocks_any_number_a_program(blocks):
+    """The remaining blocks 1, 2 or 4 a program, or all of a sequence's in one (100), with a running softmax over
+    them: the reference's output, the partials poisoned first (a program must write its partial even when every
+    block it was given is past its sequence's end: the sequence of 17 tokens, shorter than the sink)."""
+    kv, _, _ = random_paged_kv([300, 17, 201], heads=2, head_dim=64, sink=32, page_size=64, window=64, n_boost=8,
+                               dtype=torch.float16, seed=518, device=DEVICE)
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(1)).half().to(DEVICE)
+    workspace = DecodeWorkspace()
+    for buffer in workspace.get(q, 2 + rest_parts(kv, blocks)):
+        buffer.fill_(float("nan"))
+    out = decode_attention(q, kv, 64 ** -0.5, num_splits=2, workspace=workspace, rest_blocks=blocks)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, decode_attention_ref(q, kv, 64 ** -0.5)) < 2e-3
+
+
+def test_remaining_blocks_a_program_follow_the_launch_size():
+    """One block a program while a launch's blocks fill at most two programs a multiprocessor (Qwen3-8B's kitty-pro,
+    9 blocks a sequence and KV head, 132 multiprocessors: batch 1 and 2), else about two programs a multiprocessor,
+    all of a sequence's blocks at batch 64."""
+    assert rest_blocks_per_program(8 * 1, 9, 132) == 1 and rest_blocks_per_program(8 * 2, 9, 132) == 1
+    assert rest_blocks_per_program(8 * 8, 9, 132) == 2 and rest_blocks_per_program(8 * 16, 9, 132) == 4
+    assert rest_blocks_per_program(8 * 64, 9, 132) == 9 and rest_blocks_per_program(8 * 1000, 9, 132) == 9
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -740,7 +769,8 @@ def test_workspace_is_reused_across_steps_and_changes_nothing():
     torch.testing.assert_close(out2, decode_attention(q2, kv, 0.125, num_splits=3), atol=0, rtol=0)
     torch.testing.assert_close(expected1, decode_attention(q1, kv, 0.125, num_splits=3), atol=0, rtol=0)
     decode_attention(q1, kv, 0.125, num_splits=4, workspace=workspace)         # another split count: new buffers
-    assert workspace.buffers[0].shape[2] == 4 + rest_parts(kv)                 # + the remaining blocks' programs
+    blocks = rest_blocks_per_program(2 * 2, rest_parts(kv), multiprocessors(q1.device))
+    assert workspace.buffers[0].shape[2] == 4 + rest_parts(kv, blocks)         # + the remaining blocks' programs
 
 
 def test_workspace_keeps_tma_descriptors_until_a_page_tensor_moves():
