@@ -55,10 +55,14 @@ def rest_parts(kv: PagedKV, blocks_per_program: int = 1) -> int:
 
 def rest_blocks_per_program(sequences: int, blocks: int, sm_count: int) -> int:
     """Blocks a program takes in a launch over `sequences` (sequence, KV head) pairs of `blocks` blocks each: one
-    while the blocks fill at most two programs a multiprocessor (the launch is then latency-bound: batch 1 and 2 of
-    Qwen3-8B's kitty-pro), else as many as leave about two programs a multiprocessor, all of a sequence's at batch
-    64 (9: 512 programs instead of 4,608, each loading its queries and writing its partial once)."""
-    return min(blocks, max(1, sequences * blocks // (2 * sm_count)))
+    while the launch has at most 8 blocks a multiprocessor, else a quarter of its blocks a multiprocessor (at most a
+    sequence's). Measured on the H200 beside the paged kernel by PDL (kitty-pro, 9 blocks a sequence, `bench tune
+    --vary rest-blocks`; BENCHMARKS.md section 1, session 28): one a program is the fastest at batch 1 and 8 / 4K
+    (17.8 against 19.7-28.2 us with 2-9), where more lengthen each program's chain; at batch 64, 3-9 a program
+    gain 1-2 % at 32K and 5-6 % at 4K over one. One block a program compiles without the loop (BPP is a
+    compile-time constant): the loop's 251 registers a thread instead of 112 kept a program from starting beside
+    the paged programs at batch 1."""
+    return min(blocks, max(1, sequences * blocks // (4 * sm_count)))
 
 
 def rest_blocks(page_size: int, sink: int, capacity: int) -> int:
@@ -156,15 +160,15 @@ def _block_exists(j, n_sink, sink_len, n_paged, length, S: tl.constexpr, G: tl.c
     return tl.where(j < n_sink, j * T < sink_len, (first < G) & (S + (n_paged + u // PIECES) * G + first < length))
 
 
-@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NPART", "FIRST_PART", "NBLK", "BPP"])
+@triton.jit(do_not_specialize=["CK", "CV", "KMP", "VMP", "NPART", "FIRST_PART", "NBLK"])
 def _rest_kernel(
         q_ptr, kfp_ptr, vfp_ptr,
         klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
         ktab_ptr, vtab_ptr, seqlen_ptr, nkp_ptr, nvp_ptr,
         po_ptr, pm_ptr, pl_ptr,
-        qk_scale, CK, CV, KMP, VMP, NPART, FIRST_PART, NBLK, BPP,
-        H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+        qk_scale, CK, CV, KMP, VMP, NPART, FIRST_PART, NBLK,
+        BPP: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1 (of the NBLK launched a sequence; _rest_block numbers
@@ -238,11 +242,11 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
     args = (q, kv.k_fp, kv.v_fp, kv.k_low, kv.k_high, kv.k_ch, kv.k_scale, kv.k_zero, kv.v_low, kv.v_high,
             kv.v_scale, kv.v_zero, kv.k_table, kv.v_table, kv.seq_len, kv.n_kpages, kv.n_vpages, *parts, qk_scale,
             kv.k_fp.shape[2], kv.v_fp.shape[2], kv.k_table.shape[1], kv.v_table.shape[1], parts[1].shape[2],
-            first_part, rest_parts(kv), blocks_per_program)
+            first_part, rest_parts(kv))
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
                      PREC=prec, T=rest_block_tokens(kv.page_size), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
                      BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)),
-                     PDL=pdl)
+                     BPP=blocks_per_program, PDL=pdl)
     return args, constants
 
 

@@ -389,12 +389,12 @@ def test_remaining_blocks_any_number_a_program(blocks):
 
 
 def test_remaining_blocks_a_program_follow_the_launch_size():
-    """One block a program while a launch's blocks fill at most two programs a multiprocessor (Qwen3-8B's kitty-pro,
-    9 blocks a sequence and KV head, 132 multiprocessors: batch 1 and 2), else about two programs a multiprocessor,
-    all of a sequence's blocks at batch 64."""
-    assert rest_blocks_per_program(8 * 1, 9, 132) == 1 and rest_blocks_per_program(8 * 2, 9, 132) == 1
-    assert rest_blocks_per_program(8 * 8, 9, 132) == 2 and rest_blocks_per_program(8 * 16, 9, 132) == 4
-    assert rest_blocks_per_program(8 * 64, 9, 132) == 9 and rest_blocks_per_program(8 * 1000, 9, 132) == 9
+    """One block a program while a launch has at most 8 blocks a multiprocessor (Qwen3-8B's kitty-pro, 9 blocks a
+    sequence and KV head, 132 multiprocessors: batches 1-8), else a quarter of its blocks a multiprocessor: 8 at
+    batch 64, never more than a sequence's."""
+    assert rest_blocks_per_program(8 * 1, 9, 132) == 1 and rest_blocks_per_program(8 * 8, 9, 132) == 1
+    assert rest_blocks_per_program(8 * 16, 9, 132) == 2 and rest_blocks_per_program(8 * 32, 9, 132) == 4
+    assert rest_blocks_per_program(8 * 64, 9, 132) == 8 and rest_blocks_per_program(8 * 1000, 9, 132) == 9
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
