@@ -86,9 +86,13 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
                 V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr):
     """Block j of a sequence's remaining tokens: its scores (BLOCK_M heads, T tokens; log2 units, -inf where a
-    token does not exist) and values (T, BLOCK_D) as DOT operands. Blocks 0 .. cdiv(sink, T) - 1 are the sink's;
-    then each slot after the paged ones (n_paged = min(n_kpages, n_vpages)) gives cdiv(G, T) blocks of T
-    consecutive tokens. 16-bit rows are loaded as operands as they are; page codes are dequantized in float32."""
+    token does not exist) and values (T, BLOCK_D) in float32. Blocks 0 .. cdiv(sink, T) - 1 are the sink's; then
+    each slot after the paged ones (n_paged = min(n_kpages, n_vpages)) gives cdiv(G, T) blocks of T consecutive
+    tokens. Both the 16-bit rows and the dequantized codes are float32 tiles, rounded to DOT at the products: 16-bit
+    rows loaded as DOT operands as they are took 20 KB of shared memory a program for the products' layout
+    conversions instead of 12 (no fewer instructions), and beside the paged kernel by PDL that cost up to 7 us a
+    call at batches 1 and 8 on the H200 (kivi-k2v2 at 1 / 4K: 13.5 against 6.9 us, slower than without PDL;
+    BENCHMARKS.md section 1, session 28)."""
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     PIECES: tl.constexpr = (G + T - 1) // T             # blocks of a slot
@@ -114,7 +118,7 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
                       mask=(tok < G)[:, None] & dmask[None, :], other=0)
         scale = tl.load(kscale_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
-        keys = (((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :]).to(DOT)
+        keys = (((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :])
         if NB > 0:
             r = tl.arange(0, BLOCK_NB)
             rmask = r < NB
@@ -129,7 +133,7 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
     else:
         krow = tl.where(in_sink, j * T, S + (slot - nkp) * G + (u % PIECES) * T)
         keys = tl.load(kfp_ptr + (kv_head * CK + krow + t[:, None]) * D + d[None, :],
-                       mask=valid[:, None] & dmask[None, :], other=0.0).to(DOT)
+                       mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     # values (T, D): the same tokens of value page `slot`, or full-precision rows
     if (j >= n_sink) & (slot < nvp):
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
@@ -141,13 +145,13 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
             code = code | (((tl.load(vhigh_ptr + offs, mask=tmask, other=0).to(tl.int32) >> shift) & 3) << 2)
         scale = tl.load(vscale_ptr + vpage * G + tok, mask=tok < G, other=0.0).to(tl.float32)
         zero = tl.load(vzero_ptr + vpage * G + tok, mask=tok < G, other=0.0).to(tl.float32)
-        values = (code.to(tl.float32) * scale[:, None] + zero[:, None]).to(DOT)
+        values = (code.to(tl.float32) * scale[:, None] + zero[:, None])
     else:
         vrow = tl.where(in_sink, j * T, S + (slot - nvp) * G + (u % PIECES) * T)
         values = tl.load(vfp_ptr + (kv_head * CV + vrow + t[:, None]) * D + d[None, :],
-                         mask=valid[:, None] & dmask[None, :], other=0.0).to(DOT)
+                         mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
 
-    scores = tl.dot(q_dot, tl.trans(keys), boost, input_precision=PREC)          # (heads, tokens), log2
+    scores = tl.dot(q_dot, tl.trans(keys.to(DOT)), boost, input_precision=PREC)          # (heads, tokens), log2
     return tl.where(valid[None, :], scores, float("-inf")), values
 
 
@@ -219,7 +223,7 @@ def _rest_kernel(
             alpha = tl.math.exp2(m_i - m_use)
             prob = tl.math.exp2(scores - m_use[:, None])                       # 0 where masked
             l_i = l_i * alpha + tl.sum(prob, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(prob.to(DOT), values, input_precision=PREC)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(DOT), values.to(DOT), input_precision=PREC)
             m_i = m_new
 
     idx = rows * NPART + FIRST_PART + p
