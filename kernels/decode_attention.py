@@ -725,7 +725,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     if maxnreg is None:
         maxnreg = gluon_maxnreg(q, kv, num_splits) if kernel in GLUON_KERNELS else MAXNREG
     if rest_blocks is None:
-        rest_blocks = rest_blocks_per_program(bsz * h, rest_parts(kv), multiprocessors(q.device))
+        rest_blocks = rest_blocks_per_program(bsz * h, rest_parts(kv), multiprocessors(q.device), kv.k_table.shape[1])
     rest = rest_parts(kv, rest_blocks)
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))

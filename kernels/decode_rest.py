@@ -6,10 +6,10 @@ The paged slots' kernels (decode_attention.py's Triton kernel, decode_gluon.py) 
 blocks are few and short. They are taken REST_TOKENS tokens at a time: a block's keys, values and queries are loaded
 at once (as dense (tokens, channels) tiles: a key page's token t is row t % (G/4) of its planes at bit
 2 * (t // (G/4)), a value page's tokens are its planes' columns), then the products and a softmax over its tokens.
-Where the launch is a wave or less (batch 1 and 2 of Qwen3-8B), a program takes one block, for latency; in larger
-launches a program takes several with a running softmax (rest_blocks_per_program), since there each program's
-queries, set-up and partial cost as much as a block's arithmetic, and what the launch costs a call beside the paged
-kernel is its instructions (BENCHMARKS.md section 1, session 25).
+A program takes one block, for latency, except in large launches beside long paged ones (batch 64 at 32K tokens):
+there it takes several with a running softmax (rest_blocks_per_program), since each program's queries, set-up and
+partial cost about as much as a block's arithmetic, and what the launch costs a call beside the paged kernel is its
+instructions (BENCHMARKS.md section 1, session 25).
 A program writes a partial (output, max, sum) like a split program's, which decode_attention's merge combines with
 them.
 
@@ -53,16 +53,23 @@ def rest_parts(kv: PagedKV, blocks_per_program: int = 1) -> int:
     return triton.cdiv(rest_blocks(kv.page_size, kv.sink, max(kv.k_fp.shape[2], kv.v_fp.shape[2])), blocks_per_program)
 
 
-def rest_blocks_per_program(sequences: int, blocks: int, sm_count: int) -> int:
-    """Blocks a program takes in a launch over `sequences` (sequence, KV head) pairs of `blocks` blocks each: one
-    while the launch has at most 8 blocks a multiprocessor, else a quarter of its blocks a multiprocessor (at most a
-    sequence's). Measured on the H200 beside the paged kernel by PDL (kitty-pro, 9 blocks a sequence, `bench tune
-    --vary rest-blocks`; BENCHMARKS.md section 1, session 28): one a program is the fastest at batch 1 and 8 / 4K
-    (17.8 against 19.7-28.2 us with 2-9), where more lengthen each program's chain; at batch 64, 3-9 a program
-    gain 1-2 % at 32K and 5-6 % at 4K over one. One block a program compiles without the loop (BPP is a
-    compile-time constant): the loop's 251 registers a thread instead of 112 kept a program from starting beside
-    the paged programs at batch 1."""
-    return min(blocks, max(1, sequences * blocks // (4 * sm_count)))
+# Several blocks a program only beside a long paged launch: a program's chain of blocks then ends inside it
+REST_LOOP_PAGES = 128
+
+
+def rest_blocks_per_program(sequences: int, blocks: int, sm_count: int, pages: int) -> int:
+    """Blocks a program takes in a launch over `sequences` (sequence, KV head) pairs of `blocks` blocks each, beside
+    a paged launch over up to `pages` pages a sequence: one, unless the launch has more than 8 blocks a
+    multiprocessor and the sequences at least REST_LOOP_PAGES pages (16K tokens of Qwen3-8B's kitty-pro); then a
+    quarter of its blocks a multiprocessor, at most a sequence's. Measured on the H200 beside the paged kernel by
+    PDL (kitty-pro, 9 blocks a sequence, `bench tune --vary rest-blocks`, two runs; BENCHMARKS.md section 1,
+    session 28): at batch 64 / 32K, 2-9 a program 421.5-424.5 and 434-439 us against 429.1 and 442.4 with one; at
+    64 / 4K, where the paged launch takes 50 us, a program's chain of 8 blocks outlasts it (85.8 against 80.2 us);
+    at batches 8 and 16 one is the fastest or within 1 %. One block a program compiles without the loop (BPP is a
+    compile-time constant): the loop takes 254 registers a thread at 2 warps, against 119."""
+    if sequences * blocks <= 8 * sm_count or pages < REST_LOOP_PAGES:
+        return 1
+    return min(blocks, sequences * blocks // (4 * sm_count))
 
 
 def rest_blocks(page_size: int, sink: int, capacity: int) -> int:

@@ -24,7 +24,7 @@ from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNRE
                                       DecodeWorkspace, balanced_splits, decode_attention, decode_attention_ref,
                                       default_splits, field_weights, gather_kv, gluon_maxnreg, merge_blocks,
                                       merge_splits, multiprocessors, split_count, unpack_asm)
-from kernels.decode_rest import rest_blocks, rest_blocks_per_program, rest_parts, rest_warps
+from kernels.decode_rest import REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import (boost_mask, key_chunks, key_plane_shape, key_rows, pack_quarters, unpack_quarters,
@@ -390,11 +390,13 @@ def test_remaining_blocks_any_number_a_program(blocks):
 
 def test_remaining_blocks_a_program_follow_the_launch_size():
     """One block a program while a launch has at most 8 blocks a multiprocessor (Qwen3-8B's kitty-pro, 9 blocks a
-    sequence and KV head, 132 multiprocessors: batches 1-8), else a quarter of its blocks a multiprocessor: 8 at
-    batch 64, never more than a sequence's."""
-    assert rest_blocks_per_program(8 * 1, 9, 132) == 1 and rest_blocks_per_program(8 * 8, 9, 132) == 1
-    assert rest_blocks_per_program(8 * 16, 9, 132) == 2 and rest_blocks_per_program(8 * 32, 9, 132) == 4
-    assert rest_blocks_per_program(8 * 64, 9, 132) == 8 and rest_blocks_per_program(8 * 1000, 9, 132) == 9
+    sequence and KV head, 132 multiprocessors: batches 1-8) or its sequences fewer than REST_LOOP_PAGES pages (4K
+    tokens: 32), else a quarter of its blocks a multiprocessor: 8 at batch 64 / 32K, never more than a sequence's."""
+    assert rest_blocks_per_program(8 * 1, 9, 132, 256) == 1 and rest_blocks_per_program(8 * 8, 9, 132, 256) == 1
+    assert rest_blocks_per_program(8 * 16, 9, 132, 256) == 2 and rest_blocks_per_program(8 * 32, 9, 132, 256) == 4
+    assert rest_blocks_per_program(8 * 64, 9, 132, 256) == 8 and rest_blocks_per_program(8 * 1000, 9, 132, 256) == 9
+    assert rest_blocks_per_program(8 * 64, 9, 132, 32) == 1 and rest_blocks_per_program(8 * 64, 9, 132, 127) == 1
+    assert rest_blocks_per_program(8 * 64, 9, 132, REST_LOOP_PAGES) == 8
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -769,7 +771,7 @@ def test_workspace_is_reused_across_steps_and_changes_nothing():
     torch.testing.assert_close(out2, decode_attention(q2, kv, 0.125, num_splits=3), atol=0, rtol=0)
     torch.testing.assert_close(expected1, decode_attention(q1, kv, 0.125, num_splits=3), atol=0, rtol=0)
     decode_attention(q1, kv, 0.125, num_splits=4, workspace=workspace)         # another split count: new buffers
-    blocks = rest_blocks_per_program(2 * 2, rest_parts(kv), multiprocessors(q1.device))
+    blocks = rest_blocks_per_program(2 * 2, rest_parts(kv), multiprocessors(q1.device), kv.k_table.shape[1])
     assert workspace.buffers[0].shape[2] == 4 + rest_parts(kv, blocks)         # + the remaining blocks' programs
 
 
