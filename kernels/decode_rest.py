@@ -125,7 +125,7 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
                       mask=(tok < G)[:, None] & dmask[None, :], other=0)
         scale = tl.load(kscale_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
-        keys = (((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :])
+        keys = ((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :]
         if NB > 0:
             r = tl.arange(0, BLOCK_NB)
             rmask = r < NB
@@ -152,7 +152,7 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
             code = code | (((tl.load(vhigh_ptr + offs, mask=tmask, other=0).to(tl.int32) >> shift) & 3) << 2)
         scale = tl.load(vscale_ptr + vpage * G + tok, mask=tok < G, other=0.0).to(tl.float32)
         zero = tl.load(vzero_ptr + vpage * G + tok, mask=tok < G, other=0.0).to(tl.float32)
-        values = (code.to(tl.float32) * scale[:, None] + zero[:, None])
+        values = code.to(tl.float32) * scale[:, None] + zero[:, None]
     else:
         vrow = tl.where(in_sink, j * T, S + (slot - nvp) * G + (u % PIECES) * T)
         values = tl.load(vfp_ptr + (kv_head * CV + vrow + t[:, None]) * D + d[None, :],

@@ -2,7 +2,7 @@
 
     TRITON_INTERPRET=0 python -m kernels.sass_profile [--method kitty-pro ...] [--dtype bf16] [--group 4] [--arch 90]
                                                       [--kernel triton|gluon|rest] [--warps N] [--maxnreg N]
-                                                      [--opcodes]
+                                                      [--rest-blocks N] [--opcodes]
 
 Prints registers per thread, spill stack, shared memory and the kernel's instructions by class, for the whole
 kernel and for the body of its loop over paged blocks ("loop ...": what one page costs a warp) (matrix,
@@ -71,19 +71,20 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                        arch: int = 90, num_warps: int = 2, pdl: bool = False):
-    """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel."""
+                        arch: int = 90, num_warps: int = 2, pdl: bool = False, blocks_per_program: int = 1):
+    """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel, its
+    programs taking blocks_per_program blocks each."""
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import dot_dtype, precision
     from kernels.decode_rest import _rest_kernel, rest_kernel_arguments, rest_parts
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
-    n = rest_parts(kv)
+    n = rest_parts(kv, blocks_per_program)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
-                                            pdl)
+                                            pdl, blocks_per_program)
     return _compile(ASTSource, _rest_kernel, args, constants, arch, {"num_warps": num_warps})
 
 
@@ -206,6 +207,9 @@ def main(argv=None) -> int:
                         help="decode_attention's kernel over the paged blocks (gluon, gluon-tma: "
                              "kernels/decode_gluon.py), or the one over the remaining blocks (rest: "
                              "kernels/decode_rest.py, no loop)")
+    parser.add_argument("--rest-blocks", type=int, default=1,
+                        help="the rest kernel's blocks a program (decode_rest.rest_blocks_per_program: 1 compiles "
+                             "without the loop over blocks)")
     parser.add_argument("--opcodes", action="store_true",
                         help="also print the page loop's count of every opcode (which pipe a page fills: LOP3 / SHF / "
                              "PRMT on the integer pipe, HMMA on the matrix unit, FFMA / HMUL2 on the multiply-add "
@@ -229,7 +233,8 @@ def main(argv=None) -> int:
             compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
                                             use_tma=args.kernel != "gluon", i8=I8_PRODUCTS[args.kernel])
         elif args.kernel == "rest":
-            compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps)
+            compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
+                                           blocks_per_program=args.rest_blocks)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg)

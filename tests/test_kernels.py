@@ -845,6 +845,25 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     assert refused.returncode == 2 and "TRITON_INTERPRET=0" in refused.stderr
 
 
+def test_remaining_blocks_fit_beside_the_paged_programs():
+    """The remaining blocks' kernel compiled for sm_90 (`python -m kernels.sass_profile --kernel rest`, kitty-pro,
+    Qwen3-8B's shape, 2 warps) takes 12 KB of shared memory a program with one block (13 KB with its loop over
+    several): a version that loaded the 16-bit rows as operands took 20 KB, and beside the paged kernel by PDL the
+    H200 measured its calls up to 7 us slower at batches 1 and 8 (BENCHMARKS.md section 1, session 28). One block a
+    program also compiles without the loop's registers."""
+    rows = {}
+    for blocks in (1, 8):
+        cmd = [sys.executable, "-m", "kernels.sass_profile", "--kernel", "rest", "--method", "kitty-pro", "--warps",
+               "2", "--rest-blocks", str(blocks)]
+        run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"},
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        rows[blocks] = {k: int(v) for k, v in re.findall(r"([a-z][a-z .\-/]*?) (\d+)", run.stdout.split(":", 1)[1])}
+    assert rows[1]["shared bytes"] <= 12288 and rows[8]["shared bytes"] <= 13312, rows
+    assert rows[1]["registers"] < 160 < rows[8]["registers"], rows
+    assert rows[1]["local ld/st"] == rows[8]["local ld/st"] == 0, rows
+
+
 @pytest.mark.parametrize("g,d", [(36, 64), (128, 64), (64, 128)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_channel_error_kernel_matches_reference_and_the_stored_page(g, d, dtype):
