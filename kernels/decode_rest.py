@@ -60,8 +60,10 @@ REST_LOOP_PAGES = 128
 def rest_blocks_per_program(sequences: int, blocks: int, sm_count: int, pages: int) -> int:
     """Blocks a program takes in a launch over `sequences` (sequence, KV head) pairs of `blocks` blocks each, beside
     a paged launch over up to `pages` pages a sequence: one, unless the launch has more than 8 blocks a
-    multiprocessor and the sequences at least REST_LOOP_PAGES pages (16K tokens of Qwen3-8B's kitty-pro); then a
-    quarter of its blocks a multiprocessor, at most a sequence's. Measured on the H200 beside the paged kernel by
+    multiprocessor and the sequences at least REST_LOOP_PAGES pages (16K tokens of Qwen3-8B's kitty-pro); then
+    about a quarter of its blocks a multiprocessor, at most a sequence's, shared evenly by a sequence's programs (9
+    blocks at 8 a program would be programs of 8 and 1: 5 and 4 instead, the same programs with shorter chains).
+    Measured on the H200 beside the paged kernel by
     PDL (kitty-pro, 9 blocks a sequence, `bench tune --vary rest-blocks`, two runs; BENCHMARKS.md section 1,
     session 28): at batch 64 / 32K, 2-9 a program 421.5-424.5 and 434-439 us against 429.1 and 442.4 with one; at
     64 / 4K, where the paged launch takes 50 us, a program's chain of 8 blocks outlasts it (85.8 against 80.2 us);
@@ -69,7 +71,8 @@ def rest_blocks_per_program(sequences: int, blocks: int, sm_count: int, pages: i
     compile-time constant): the loop takes 254 registers a thread at 2 warps, against 119."""
     if sequences * blocks <= 8 * sm_count or pages < REST_LOOP_PAGES:
         return 1
-    return min(blocks, sequences * blocks // (4 * sm_count))
+    programs = triton.cdiv(blocks, min(blocks, sequences * blocks // (4 * sm_count)))
+    return triton.cdiv(blocks, programs)
 
 
 def rest_blocks(page_size: int, sink: int, capacity: int) -> int:

@@ -391,12 +391,14 @@ def test_remaining_blocks_any_number_a_program(blocks):
 def test_remaining_blocks_a_program_follow_the_launch_size():
     """One block a program while a launch has at most 8 blocks a multiprocessor (Qwen3-8B's kitty-pro, 9 blocks a
     sequence and KV head, 132 multiprocessors: batches 1-8) or its sequences fewer than REST_LOOP_PAGES pages (4K
-    tokens: 32), else a quarter of its blocks a multiprocessor: 8 at batch 64 / 32K, never more than a sequence's."""
+    tokens: 32), else about a quarter of its blocks a multiprocessor, shared evenly: at batch 64 / 32K 8 would make
+    programs of 8 and 1 blocks, so 5 (5 and 4); never more than a sequence's."""
     assert rest_blocks_per_program(8 * 1, 9, 132, 256) == 1 and rest_blocks_per_program(8 * 8, 9, 132, 256) == 1
-    assert rest_blocks_per_program(8 * 16, 9, 132, 256) == 2 and rest_blocks_per_program(8 * 32, 9, 132, 256) == 4
-    assert rest_blocks_per_program(8 * 64, 9, 132, 256) == 8 and rest_blocks_per_program(8 * 1000, 9, 132, 256) == 9
+    assert rest_blocks_per_program(8 * 16, 9, 132, 256) == 2 and rest_blocks_per_program(8 * 32, 9, 132, 256) == 3
+    assert rest_blocks_per_program(8 * 64, 9, 132, 256) == 5 and rest_blocks_per_program(8 * 1000, 9, 132, 256) == 9
     assert rest_blocks_per_program(8 * 64, 9, 132, 32) == 1 and rest_blocks_per_program(8 * 64, 9, 132, 127) == 1
-    assert rest_blocks_per_program(8 * 64, 9, 132, REST_LOOP_PAGES) == 8
+    assert rest_blocks_per_program(8 * 64, 9, 132, REST_LOOP_PAGES) == 5
+    assert rest_blocks_per_program(8 * 64, 10, 132, 256) == 5            # 10 blocks (a spread of 13): 5 and 5
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
