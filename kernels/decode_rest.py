@@ -63,12 +63,12 @@ def rest_blocks_per_program(sequences: int, blocks: int, sm_count: int, pages: i
     multiprocessor and the sequences at least REST_LOOP_PAGES pages (16K tokens of Qwen3-8B's kitty-pro); then
     about a quarter of its blocks a multiprocessor, at most a sequence's, shared evenly by a sequence's programs (9
     blocks at 8 a program would be programs of 8 and 1: 5 and 4 instead, the same programs with shorter chains).
-    Measured on the H200 beside the paged kernel by
-    PDL (kitty-pro, 9 blocks a sequence, `bench tune --vary rest-blocks`, two runs; BENCHMARKS.md section 1,
-    session 28): at batch 64 / 32K, 2-9 a program 421.5-424.5 and 434-439 us against 429.1 and 442.4 with one; at
-    64 / 4K, where the paged launch takes 50 us, a program's chain of 8 blocks outlasts it (85.8 against 80.2 us);
-    at batches 8 and 16 one is the fastest or within 1 %. One block a program compiles without the loop (BPP is a
-    compile-time constant): the loop takes 254 registers a thread at 2 warps, against 119."""
+    Measured on the H200 beside the paged kernel by PDL (kitty-pro, 9 blocks a sequence, `bench tune --vary
+    rest-blocks`; BENCHMARKS.md section 1, session 28): at batch 64 / 32K, 2-9 a program 421.5-424.5 us against
+    429.1 with one (and the default 5 410.4-414.2 against 417.3-419.0 in a later run); at 64 / 4K, where the paged
+    launch takes 50 us, a program's chain of 8 blocks outlasts it (85.8 against 80.2 us); at batches 8 and 16 one
+    is the fastest or within 1 %. One block a program compiles without the loop (BPP is a compile-time constant):
+    the loop takes 254 registers a thread at 2 warps, against 119."""
     if sequences * blocks <= 8 * sm_count or pages < REST_LOOP_PAGES:
         return 1
     programs = triton.cdiv(blocks, min(blocks, sequences * blocks // (4 * sm_count)))
@@ -189,13 +189,13 @@ def _rest_kernel(
     them) of sequence b's remaining tokens for KV head h, one after the other with a running softmax, written as
     part FIRST_PART + p. Blocks without a token of the sequence are skipped (a program with none writes an empty
     partial, max -inf, which the merge weighs 0). Why several blocks a program: where the launch has many programs,
-    each one's queries, set-up and partial cost as much as a block's arithmetic; one program a block keeps the
-    latency low where the launch is a wave or less (rest_blocks_per_program). PDL: launched beside the paged slots'
-    kernel (decode_launches' pdl): the merge after it may start at once, and the grid's last program waits for the
-    paged grid before it ends, so that this grid's end (what the merge waits for) means both are done. Only one
-    program waits: while every program waited, the programs that had started held their multiprocessors' registers
-    until the paged grid ended, and the rest could not start before then (kivi-k2v2 at batch 64 / 4K: 70.0 us a call
-    then, 65.0 now; BENCHMARKS.md section 1, session 25)."""
+    each one's queries, set-up and partial cost about as much as a block's arithmetic; one program a block keeps the
+    latency low where the launch is small or the paged launch short (rest_blocks_per_program). PDL: launched beside
+    the paged slots' kernel (decode_launches' pdl): the merge after it may start at once, and the grid's last
+    program waits for the paged grid before it ends, so that this grid's end (what the merge waits for) means both
+    are done. Only one program waits: while every program waited, the programs that had started held their
+    multiprocessors' registers until the paged grid ended, and the rest could not start before then (kivi-k2v2 at
+    batch 64 / 4K: 70.0 us a call then, 65.0 now; BENCHMARKS.md section 1, session 25)."""
     if PDL:
         gdc_launch_dependents()
     b = tl.program_id(0)
