@@ -100,9 +100,9 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
     each slot after the paged ones (n_paged = min(n_kpages, n_vpages)) gives cdiv(G, T) blocks of T consecutive
     tokens. Both the 16-bit rows and the dequantized codes are float32 tiles, rounded to DOT at the products: 16-bit
     rows loaded as DOT operands as they are took 20 KB of shared memory a program for the products' layout
-    conversions instead of 12 (no fewer instructions), and beside the paged kernel by PDL that cost up to 7 us a
-    call at batches 1 and 8 on the H200 (kivi-k2v2 at 1 / 4K: 13.5 against 6.9 us, slower than without PDL;
-    BENCHMARKS.md section 1, session 28)."""
+    conversions instead of 12 (no fewer instructions), and with that version beside the paged kernel by PDL the
+    H200 measured calls up to 7 us slower at batches 1 and 8 (kivi-k2v2 at 1 / 4K: 13.5 against 6.9 us, slower
+    than without PDL; BENCHMARKS.md section 1, session 28)."""
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     PIECES: tl.constexpr = (G + T - 1) // T             # blocks of a slot

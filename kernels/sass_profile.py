@@ -164,7 +164,7 @@ def profile(compiled) -> dict:
            "shared bytes": compiled.metadata.shared, "instructions": sum(opcodes.values())}
     row.update({name: sum(opcodes[op] for op in ops) for name, ops in CLASSES.items()})
     # the paged kernels' first loop is the one over paged slots: its body is what one page costs a warp (the rest
-    # kernel has no loop)
+    # kernel's, with --rest-blocks > 1, is its loop over blocks; with one block it has none)
     loop = _opcodes((_loop_bodies(sass.splitlines()) or [[]])[0])
     row["loop instructions"] = sum(loop.values())
     row.update({f"loop {name}": sum(loop[op] for op in ops) for name, ops in CLASSES.items()})
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
                         choices=["triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "rest"],
                         help="decode_attention's kernel over the paged blocks (gluon, gluon-tma: "
                              "kernels/decode_gluon.py), or the one over the remaining blocks (rest: "
-                             "kernels/decode_rest.py, no loop)")
+                             "kernels/decode_rest.py, with a loop over blocks only where --rest-blocks > 1)")
     parser.add_argument("--rest-blocks", type=int, default=1,
                         help="the rest kernel's blocks a program (decode_rest.rest_blocks_per_program: 1 compiles "
                              "without the loop over blocks)")

@@ -850,8 +850,8 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
 def test_remaining_blocks_fit_beside_the_paged_programs():
     """The remaining blocks' kernel compiled for sm_90 (`python -m kernels.sass_profile --kernel rest`, kitty-pro,
     Qwen3-8B's shape, 2 warps) takes 12 KB of shared memory a program with one block (13 KB with its loop over
-    several): a version that loaded the 16-bit rows as operands took 20 KB, and beside the paged kernel by PDL the
-    H200 measured its calls up to 7 us slower at batches 1 and 8 (BENCHMARKS.md section 1, session 28). One block a
+    several): a version that loaded the 16-bit rows as operands took 20 KB, and with it beside the paged kernel by
+    PDL the H200 measured calls up to 7 us slower at batches 1 and 8 (BENCHMARKS.md section 1, session 28). One block a
     program also compiles without the loop's registers."""
     rows = {}
     for blocks in (1, 8):
