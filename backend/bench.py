@@ -275,6 +275,7 @@ def bench_tune(args) -> dict:
     method = (args.methods or ["kitty-pro"])[0]
     sm_count = multiprocessors(torch.device(device))
     from kernels.decode_gluon import resident_programs as gluon_resident
+    from kernels.decode_gluon import TIMES_ROW
     from kernels.decode_gluon import supports_tma as gluon_supports_tma
     rows = []
     for length in lengths:
@@ -353,7 +354,10 @@ def bench_tune(args) -> dict:
                       # when each program of the default kernel's paged launch starts and ends, and where (the launch
                       # alone, and its arithmetic alone): how long the multiprocessors hold fewer programs than they
                       # can (ncu: about 10 of 12 warps active on average at batch 64 / 32K, session 24)
-                      "timeline": [{**gluon(cap), "loads": half, "timeline": True} for half in ("whole", "arithmetic")],
+                      # and (the page loop then reads the clock around its waits) how long its programs waited for
+                      # their key pages and their value pages
+                      "timeline": [{**gluon(cap), "loads": half, "timeline": t} for half, t in (
+                          ("whole", True), ("arithmetic", True), ("whole", "waits"))],
                       # what one more instruction of each kind costs the default kernel's paged launch: 64 and 128
                       # more LOP3 (the integer pipe, as the unpacking's ANDs), FFMA (the multiply-add pipe) a page,
                       # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD);
@@ -374,10 +378,10 @@ def bench_tune(args) -> dict:
                                                rest_blocks=setting["rest_blocks"])
                 times = None
                 if setting["timeline"]:
-                    times = torch.zeros(batch * h * setting["splits"] * 4, dtype=torch.int64, device=device)
+                    times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64, device=device)
                 if setting["loads"]:
                     run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
-                                     setting["pad"])
+                                     setting["pad"], setting["timeline"] == "waits")
                 # each setting's launches in an NVTX range, so that Nsight Compute can profile one of them
                 # (backend.kernel_profile --command tune --nvtx-range NAME)
                 with nvtx_range(tune_range(setting), device):
@@ -387,7 +391,7 @@ def bench_tune(args) -> dict:
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels,
                                  paged_gbs=paged_bytes(kv) / seconds / 1e9))
                 if times is not None:
-                    rows[-1]["programs"] = timeline(times.view(-1, 4).cpu())
+                    rows[-1]["programs"] = timeline(times.cpu())
                     print("    timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["programs"].items()))
                 print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}"
                                                             for k, v in setting.items())
@@ -420,12 +424,12 @@ def nvtx_range(name: str, device: str):
 
 
 def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, times: torch.Tensor | None = None,
-               pad: tuple[str, int] | None = None):
+               pad: tuple[str, int] | None = None, waits: bool = False):
     """A call of the default Gluon kernel's paged launch (TMA) that only copies its pages and waits for them (half
     "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or only computes, over its first
     slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take), or does both
     ("whole": the paged launch alone, without the remaining blocks and the merge); times: each program's start,
-    end and multiprocessor; pad: decode_gluon.launch's (instructions added that change nothing, or "noswap")."""
+    end and multiprocessor, with waits also its cycles waiting for pages (decode_gluon's WAITS); pad: decode_gluon.launch's (instructions added that change nothing, or "noswap")."""
     from kernels import decode_gluon
     b, hq, d = q.shape
     parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),
@@ -433,14 +437,16 @@ def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, times:
     descriptors = decode_gluon.tma_descriptors(kv, d)
     return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, True, descriptors,
                                        compute=half != "copies", copies=half != "arithmetic", times=times,
-                                       pad=pad)
+                                       waits=waits, pad=pad)
 
 
 def timeline(times: torch.Tensor) -> dict:
-    """A launch's programs from their (start ns, end ns, multiprocessor) rows: the launch's span, how long its
-    programs took to start (the last start after the first) and to end (the last end after the first), each
-    program's time (shortest, median, longest), the programs a multiprocessor held (fewest, most) and how many it ran
-    at once on average over the span (its programs' time over the span), in µs where times."""
+    """A launch's programs from their (start ns, end ns, multiprocessor[, key wait, value wait, cycles]) rows: the
+    launch's span, how long its programs took to start (the last start after the first) and to end (the last end
+    after the first), each program's time (shortest, median, longest), the programs a multiprocessor held (fewest,
+    most) and how many it ran at once on average over the span (its programs' time over the span), in µs where
+    times; where the rows have cycles (decode_gluon's WAITS), the share of all programs' cycles spent waiting for key
+    pages and for value pages, in %."""
     start, end, sm = times[:, 0].double() / 1e3, times[:, 1].double() / 1e3, times[:, 2]
     span = float(end.max() - start.min())
     took = end - start
@@ -449,7 +455,10 @@ def timeline(times: torch.Tensor) -> dict:
     return {"span_us": span, "starts_us": float(start.max() - start.min()), "ends_us": float(end.max() - end.min()),
             "shortest_us": float(took.min()), "median_us": float(took.median()), "longest_us": float(took.max()),
             "fewest_a_sm": float(used.min()), "most_a_sm": float(used.max()),
-            "at_once_a_sm": float(took.sum()) / span / len(used)}
+            "at_once_a_sm": float(took.sum()) / span / len(used),
+            **({"key_wait_pct": 100 * times[:, 3].sum().item() / times[:, 5].sum().item(),
+                "value_wait_pct": 100 * times[:, 4].sum().item() / times[:, 5].sum().item()}
+               if times.shape[1] > 5 and times[:, 5].sum() > 0 else {})}
 
 
 def paged_bytes(kv) -> int:

@@ -744,6 +744,10 @@ def _queries(q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
     return q_rows, hmask_b, q_s
 
 
+# int64 a program in the kernel's times_ptr: start, end, multiprocessor, key and value waits, cycles (and 2 unused)
+TIMES_ROW = gl.constexpr(8)
+
+
 @gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART", "pad_zero"])
 def _gluon_paged_kernel(
         q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
@@ -753,8 +757,8 @@ def _gluon_paged_kernel(
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
-        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, PAD: gl.constexpr = "",
-        PAD_N: gl.constexpr = 0, pad_zero=0):
+        COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
+        PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows:
@@ -763,13 +767,19 @@ def _gluon_paged_kernel(
     --vary loads`): COMPUTE=False, the page loop's copies, waits and barriers only (the memory pipeline's own
     ceiling); COPIES=False, its products and barriers only, over the first slot's pages again and again (the
     arithmetic's own time). times_ptr (a measurement, `bench tune --vary timeline`): each program writes when it
-    started and ended (%globaltimer, ns) and its multiprocessor, 4 int64 a program in grid order. PAD / PAD_N (a
+    started and ended (%globaltimer, ns) and its multiprocessor, TIMES_ROW int64 a program in grid order; with WAITS
+    also the clock cycles it spent waiting for its key pages and for its value pages (their mbarriers) and its
+    cycles from start to end (%clock64, read around each wait: the page loop changes). PAD / PAD_N (a
     measurement, `bench tune --vary pad`): PAD_N more instructions a page of one kind ("alu": LOP3, "fma": FFMA,
     "mma": HMMA) on the scores, that add nothing (pad_zero, 0 at run time, masks them out): what one more instruction
     of each kind costs this kernel (_pad); PAD "noswap" (PAD_N 0): the second operands without _b_operand's row swap,
     wrong partials, 32 byte permutes fewer a kitty-pro page (what a page layout without the swap would save)."""
     if times_ptr is not None:
         started = _globaltimer()
+    if WAITS:
+        began = _clock()
+        key_wait = began - began
+        value_wait = key_wait
     if PDL:
         _launch_dependents()
     b = gl.program_id(0)
@@ -805,7 +815,11 @@ def _gluon_paged_kernel(
         kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         if COPIES:
+            if WAITS:
+                waiting = _clock()
             _arrived(kbar, phase, TMA)              # this slot's keys are in (its values may not be)
+            if WAITS:
+                key_wait += _clock() - waiting
         _BARRIER()                                  # ... for every lane (and, the first time, the queries)
         if not COMPUTE:
             pass
@@ -820,7 +834,11 @@ def _gluon_paged_kernel(
             _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
         _commit(TMA)
         if COPIES:
+            if WAITS:
+                waiting = _clock()
             _arrived(vbar, phase, TMA)              # this slot's values are in (the next slot's keys may not be)
+            if WAITS:
+                value_wait += _clock() - waiting
         _BARRIER()
         if COMPUTE:
             m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
@@ -850,10 +868,14 @@ def _gluon_paged_kernel(
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
     gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
     if times_ptr is not None:
-        row = times_ptr + ((b * H + h) * NSPLIT + part).to(gl.int64) * 4
+        row = times_ptr + ((b * H + h) * NSPLIT + part).to(gl.int64) * TIMES_ROW
         gl.store(row, started)
         gl.store(row + 1, _globaltimer())
         gl.store(row + 2, _smid().to(gl.int64))
+        if WAITS:
+            gl.store(row + 3, key_wait)
+            gl.store(row + 4, value_wait)
+            gl.store(row + 5, _clock() - began)
 
 
 @gluon.constexpr_function
@@ -894,6 +916,12 @@ def _pad(x, zero, KIND: gl.constexpr, N: gl.constexpr):
 def _globaltimer():
     """The GPU's nanosecond clock, read when the program gets here."""
     return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _clock():
+    """The multiprocessor's cycle counter, read when the program gets here."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -1006,15 +1034,16 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
-           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None,
+           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None, waits: bool = False,
            pad: tuple[str, int] | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
-    4 a program), each program's start, end and multiprocessor; pad (kind, instructions a page): the kernel's
+    TIMES_ROW a program), each program's start, end and multiprocessor, and with waits its cycles waiting for keys
+    and for values and in all (WAITS); pad (kind, instructions a page): the kernel's
     PAD / PAD_N."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
-        *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times,
+        *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, WAITS=waits,
         **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

@@ -91,10 +91,11 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
                          pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
-                         times: bool = False, pad: tuple[str, int] | None = None):
+                         times: bool = False, waits: bool = False, pad: tuple[str, int] | None = None):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
-    bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline; pad:
+    bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline, with
+    waits also its waits for pages; pad:
     (kind, instructions a page) more, --vary pad)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -106,10 +107,10 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8)
     return _compile(GluonASTSource, _gluon_paged_kernel, args,
                     {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies,
-                     **({} if times else {"times_ptr": None}), "PAD": pad[0] if pad else "",
+                     **({} if times else {"times_ptr": None}), "WAITS": waits, "PAD": pad[0] if pad else "",
                      "PAD_N": pad[1] if pad else 0}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})},
-                    {**({"times_ptr": torch.zeros(4, dtype=torch.int64)} if times else {}), "pad_zero": 0})
+                    {**({"times_ptr": torch.zeros(8, dtype=torch.int64)} if times else {}), "pad_zero": 0})
 
 
 def compile_merge_kernel(rows: int = 32, head_dim: int = 128, parts: int = 41, arch: int = 90, pdl: bool = False):

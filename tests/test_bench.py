@@ -417,7 +417,11 @@ def test_timeline_says_how_many_programs_a_multiprocessor_ran_at_once():
     assert summary["span_us"] == 2.0 and summary["starts_us"] == 0.5 and summary["ends_us"] == 1.1
     assert (summary["shortest_us"], summary["median_us"], summary["longest_us"]) == (0.8, 1.0, 2.0)
     assert summary["fewest_a_sm"] == summary["most_a_sm"] == 2
-    assert summary["at_once_a_sm"] == 4.8 / 2.0 / 2
+    assert summary["at_once_a_sm"] == 4.8 / 2.0 / 2 and "key_wait_pct" not in summary
+    # rows with the page loop's waits (decode_gluon's WAITS): key and value waits, cycles, two unused columns
+    waits = torch.tensor([[10, 30, 100, 0, 0], [20, 0, 50, 0, 0], [0, 30, 200, 0, 0], [10, 0, 50, 0, 0]])
+    summary = timeline(torch.cat([rows, waits], dim=1))
+    assert summary["key_wait_pct"] == 100 * 40 / 400 and summary["value_wait_pct"] == 100 * 60 / 400
 
 
 def test_local_spikes_compare_a_boundary_step_with_the_steps_around_it():

@@ -515,20 +515,24 @@ def test_the_kernels_halves_keep_its_copies_or_its_products():
 
 def test_the_kernels_timeline_reads_the_clock_outside_its_loop():
     """Without a GPU: with times_ptr (bench tune --vary timeline) the paged kernel reads %globaltimer when a program
-    starts and ends and %smid once, and its page loop is the same instructions as without."""
+    starts and ends and %smid once, and its page loop is the same instructions as without; with WAITS it also
+    reads %clock64 at its start and end and around each of a page's two waits (one for keys, one for values)."""
     code = textwrap.dedent("""
         import torch
         from kernels.sass_profile import compile_gluon_kernel, profile
-        for times in (False, True):
-            compiled = compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, times=times)
+        for times, waits in ((False, False), (True, False), (True, True)):
+            compiled = compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, times=times,
+                                            waits=waits)
             ptx = compiled.asm["ptx"]
-            print(profile(compiled)["loop instructions"], ptx.count("%globaltimer"), ptx.count("%smid"))
+            print(profile(compiled)["loop instructions"], ptx.count("%globaltimer"), ptx.count("%smid"),
+                  ptx.count("%clock64"))
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
-    without, with_times = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
-    assert without[1:] == [0, 0] and with_times[1:] == [2, 1] and with_times[0] == without[0], run.stdout
+    without, with_times, with_waits = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
+    assert without[1:] == [0, 0, 0] and with_times[1:] == [2, 1, 0] and with_times[0] == without[0], run.stdout
+    assert with_waits[1:] == [2, 1, 6] and with_waits[0] > without[0], run.stdout
 
 
 def test_tma_destinations_are_aligned_in_shared_memory():
