@@ -46,7 +46,9 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -360,12 +362,9 @@ def bench_tune(args) -> dict:
                           ("whole", True), ("arithmetic", True), ("whole", "waits"))],
                       # what one more instruction of each kind costs the default kernel's paged launch: 64 and 128
                       # more LOP3 (the integer pipe, as the unpacking's ANDs), FFMA (the multiply-add pipe) a page,
-                      # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD);
-                      # and without the second operands' byte permutes (PAD "noswap": wrong partials, the cost of a
-                      # page layout that needs none)
+                      # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD)
                       "pad": [{**gluon(cap), "loads": "whole", "pad": pad} for pad in (
-                          None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16),
-                          ("noswap", 0))]}
+                          None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16))]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA
@@ -378,18 +377,19 @@ def bench_tune(args) -> dict:
                                                rest_blocks=setting["rest_blocks"])
                 times = None
                 if setting["timeline"]:
-                    times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64, device=device)
+                    times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64,
+                                        device=device)
                 if setting["loads"]:
                     run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
                                      setting["pad"], setting["timeline"] == "waits")
                 # each setting's launches in an NVTX range, so that Nsight Compute can profile one of them
                 # (backend.kernel_profile --command tune --nvtx-range NAME)
-                with nvtx_range(tune_range(setting), device):
+                with nvtx_range(tune_range(setting), device), gpu_clocks(device) as clocks:
                     seconds = median_seconds(run, args.quick)
                     kernels = kernel_us(run) if device == "cuda" else {}
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels,
-                                 paged_gbs=paged_bytes(kv) / seconds / 1e9))
+                                 paged_gbs=paged_bytes(kv) / seconds / 1e9, **clocks))
                 if times is not None:
                     rows[-1]["programs"] = timeline(times.cpu())
                     print("    timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["programs"].items()))
@@ -397,7 +397,8 @@ def bench_tune(args) -> dict:
                                                             for k, v in setting.items())
                       + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
                       f"{rows[-1]['gbs']:7.0f} GB/s (pages {rows[-1]['paged_gbs']:5.0f})"
-                      + "".join(f" | {name[:24]} {us:.1f}" for name, us in kernels.items()), flush=True)
+                      + "".join(f" | {name[:24]} {us:.1f}" for name, us in kernels.items())
+                      + "".join(f" | {name} {value:.0f}" for name, value in clocks.items()), flush=True)
             del layer, kv, k, v
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -408,6 +409,42 @@ def tune_range(setting: dict) -> str:
     """The NVTX range of a tune setting's launches: its paged kernel, its half (bench tune --vary loads: copies,
     arithmetic, or whole) and its register cap, e.g. "gluon-tma.arithmetic.168"."""
     return f"{setting['kernel']}.{setting['loads'] or 'whole'}.{setting['maxnreg']}"
+
+
+@contextlib.contextmanager
+def gpu_clocks(device: str):
+    """The GPU's multiprocessor clock and power draw while the block runs: the medians of nvidia-smi's samples every
+    10 ms ({"sm_mhz", "power_w"}, filled in when the block ends; empty on a CPU or without nvidia-smi). Whether a
+    kernel runs at a lower clock than another (a power limit) is a reason for its time that no profile of its
+    instructions shows."""
+    clocks: dict[str, float] = {}
+    if device != "cuda" or shutil.which("nvidia-smi") is None:
+        yield clocks
+        return
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", str(torch.cuda.current_device())).split(",")[0]
+    sampler = subprocess.Popen(["nvidia-smi", "-i", index, "--query-gpu=clocks.sm,power.draw",
+                                "--format=csv,noheader,nounits", "-lms", "10"], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    try:
+        yield clocks
+    finally:
+        sampler.terminate()
+        clocks.update(median_clocks(sampler.communicate()[0]))
+
+
+def median_clocks(samples: str) -> dict[str, float]:
+    """nvidia-smi's "clock, power" lines -> their medians {"sm_mhz", "power_w"}, from the lines it could read (not
+    "[N/A]"); empty without one."""
+    rows = []
+    for line in samples.splitlines():
+        try:
+            mhz, watts = (float(x) for x in line.split(","))
+        except ValueError:
+            continue
+        rows.append((mhz, watts))
+    if not rows:
+        return {}
+    return {"sm_mhz": statistics.median(r[0] for r in rows), "power_w": statistics.median(r[1] for r in rows)}
 
 
 @contextlib.contextmanager
@@ -429,7 +466,8 @@ def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, times:
     "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or only computes, over its first
     slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take), or does both
     ("whole": the paged launch alone, without the remaining blocks and the merge); times: each program's start,
-    end and multiprocessor, with waits also its cycles waiting for pages (decode_gluon's WAITS); pad: decode_gluon.launch's (instructions added that change nothing, or "noswap")."""
+    end and multiprocessor, with waits also its cycles waiting for pages (decode_gluon's WAITS); pad:
+    decode_gluon.launch's (instructions added that change nothing)."""
     from kernels import decode_gluon
     b, hq, d = q.shape
     parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),

@@ -56,7 +56,8 @@ from .layout import KEY_CHUNK, PagedKV
 
 HEADS_PER_TILE = 8          # the matrix instruction's columns: a KV group of up to 8 query heads
 # a word of 4 code bytes -> itself and itself >> 8: 16-bit halves led by bytes 0 / 2 and 1 / 3, whose low bytes
-# QUARTER_ASM takes fields from (so its operands pair bytes (0, 2) and (1, 3), which _b_operand matches)
+# QUARTER_ASM takes fields from (so its operands pair bytes (0, 2) and (1, 3): consecutive columns, as the page layout
+# stores them, layout.SWAP)
 # (The shift as the high word of a product by 2^24, IMAD.HI on the multiply-add pipe instead of SHF.R on the integer
 # pipe that also runs the unpacking's ANDs, was slower or no faster at all six shapes: BENCHMARKS.md section 1,
 # session 14.)
@@ -124,14 +125,11 @@ def _a_operand(x, R: gl.constexpr, K: gl.constexpr):
 
 
 @gluon.jit
-def _b_operand(x, K: gl.constexpr, SWAP: gl.constexpr = True):
+def _b_operand(x, K: gl.constexpr):
     """(K, heads) tile in _cols_layout(K) -> the same registers as the second mma operand, rows in the order that
-    _operand_columns gives the first operand's columns after _tile_products' unpacking, which pairs the bytes of a
-    word as (0, 2) and (1, 3) (a swap inside each 4 rows here: byte permutes, 32 a kitty-pro page). SWAP=False, a
-    measurement (the kernel's PAD "noswap"): without the swap, so with the wrong rows, what a page layout with
-    bytes 1 and 2 of each word traded would cost."""
-    if SWAP:
-        x = gl.reshape(gl.permute(gl.reshape(x, [K // 4, 2, 2, HEADS]), [0, 2, 1, 3]), [K, HEADS])
+    _operand_columns gives the first operand's columns after _tile_products' unpacking. That unpacking pairs the
+    bytes of a word as (0, 2) and (1, 3), which the page layout stores as consecutive columns (layout.SWAP): no byte
+    permutes here (the rows swapped in registers took 32 a kitty-pro page)."""
     x = gl.permute(gl.reshape(x, [4, K // 16, 2, 2, HEADS]), [1, 2, 0, 3, 4])
     return gl.convert_layout(gl.reshape(x, [K, HEADS]), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
 
@@ -158,8 +156,8 @@ def _mul2(x, y):
 
 @gluon.jit
 def _spread(x):
-    """An (R, K) byte tile -> the two words per 4 bytes that _quarter takes fields from (SPREAD: bytes 1 and 2 of
-    each 4 trade places in the operands, which _b_operand matches)."""
+    """An (R, K) byte tile -> the two words per 4 bytes that _quarter takes fields from (SPREAD: bytes 0 and 2, and 1
+    and 3, of each 4, which the page layout stores as consecutive columns)."""
     return gl.inline_asm_elementwise(asm=SPREAD, constraints="=r,=r,r", args=[x], dtype=(gl.uint8, gl.uint8),
                                      is_pure=True, pack=4)
 
@@ -217,11 +215,11 @@ def _chunk(K):
 
 @gluon.jit
 def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                NB: gl.constexpr, SWAP: gl.constexpr = True):
+                NB: gl.constexpr):
     """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
     accumulator tiles. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS), taken times
     qk_scale / Q_SCALE in the fp32 sums; q_rows / hmask_b: (1, HEADS) pointers to the query rows and the real heads,
-    for the boosted channels' gather. SWAP: _b_operand's."""
+    for the boosted channels' gather."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -229,7 +227,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     if NB > 0 and NB <= 32:
         # one chunk of boosted channels: its gathers first, so that their latency is spent on the low plane
-        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, kscale_ptr, D, NB, SWAP)
+        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
     s0 = gl.zeros([G4, HEADS], gl.float32, mma)
     s1 = gl.zeros([G4, HEADS], gl.float32, mma)
     s2 = gl.zeros([G4, HEADS], gl.float32, mma)
@@ -241,14 +239,14 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
     for c in gl.static_range(D // KC):
         q = q_s.index(c).load(cols)                     # the operands in fp16 arithmetic: 2 elements an instruction
         zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
-        b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC, SWAP)
+        b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC)
         s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         NBC: gl.constexpr = _chunk(NB)
         for c in gl.static_range(NB // NBC):
             if NB > 32:
-                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D, NBC, SWAP)
+                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D, NBC)
             s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
                                             G4, NBC)
     scale = qk_scale * (1.0 / Q_SCALE)
@@ -277,9 +275,10 @@ I8_MINUS64 = gl.constexpr(-64)
 I8_MAGIC = gl.constexpr(0x4B400000)
 I8_MAGIC_F = gl.constexpr(12582912.0)
 # fp16 times the heads' 127 / max, plus 1.5 * 2^10, rounds to an integer in the low byte (ulp 1 in [1024, 2048)):
-# two fp16 FMAs and a byte permute make a register of 4 signed bytes.
+# two fp16 FMAs and a byte permute make a register of 4 signed bytes, elements 0, 2, 1, 3 of its 4: the order in
+# which the page layout stores a word's columns (layout.SWAP), which the integer products take as they are.
 I8_ROUND_ASM = gl.constexpr("{ .reg .b32 m, a, b; mov.b32 m, 0x66006600; fma.rn.f16x2 a, $1, $3, m; "
-                            "fma.rn.f16x2 b, $2, $4, m; prmt.b32 $0, a, b, 0x6420; }")
+                            "fma.rn.f16x2 b, $2, $4, m; prmt.b32 $0, a, b, 0x6240; }")
 
 
 @gluon.jit
@@ -407,20 +406,19 @@ def _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NB:
 
 
 @gluon.jit
-def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr,
-                     SWAP: gl.constexpr = True):
+def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
     """The second operand of boosted-channel chunk c: 4 * Q_SCALE * q_ch * scale_ch (NBC, HEADS), gathered from the
     query rows and the page's scales in global memory (L1 / L2)."""
     lay: gl.constexpr = _cols_layout(NBC)
     ch = ch_s.slice(c * NBC, NBC).load(gl.SliceLayout(1, lay)).to(gl.int32)
     ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
     q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None], mask=gl.convert_layout(hmask_b, lay), other=0.0)
-    return _b_operand((q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT), NBC, SWAP)
+    return _b_operand((q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT), NBC)
 
 
 @gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr, SWAP: gl.constexpr = True):
+                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
     vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
     (p * scale) (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t:
@@ -428,8 +426,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the
     pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200
     (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers,
-    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. SWAP:
-    _b_operand's."""
+    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -463,7 +460,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         if I8:
             i0, i1, i2, i3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G4), i0, i1, i2, i3, G4)
         else:
-            pv = _b_operand(pv, G4, SWAP)
+            pv = _b_operand(pv, G4)
             acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4)
             if V_BITS == 4:
                 pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
@@ -772,8 +769,7 @@ def _gluon_paged_kernel(
     cycles from start to end (%clock64, read around each wait: the page loop changes). PAD / PAD_N (a
     measurement, `bench tune --vary pad`): PAD_N more instructions a page of one kind ("alu": LOP3, "fma": FFMA,
     "mma": HMMA) on the scores, that add nothing (pad_zero, 0 at run time, masks them out): what one more instruction
-    of each kind costs this kernel (_pad); PAD "noswap" (PAD_N 0): the second operands without _b_operand's row swap,
-    wrong partials, 32 byte permutes fewer a kitty-pro page (what a page layout without the swap would save)."""
+    of each kind costs this kernel (_pad)."""
     if times_ptr is not None:
         started = _globaltimer()
     if WAITS:
@@ -787,7 +783,6 @@ def _gluon_paged_kernel(
     part = gl.program_id(2)
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
-    SWAP: gl.constexpr = PAD != "noswap"            # _b_operand's row swap (not for the "noswap" measurement)
     if TMA:
         kbar, vbar = _barrier_pair()
     else:
@@ -826,7 +821,7 @@ def _gluon_paged_kernel(
         elif I8 > 0:
             s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
         else:
-            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB, SWAP)
+            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
             if PAD_N > 0:
                 s0 = _pad(s0, pad_zero, PAD, PAD_N)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
@@ -842,7 +837,7 @@ def _gluon_paged_kernel(
         _BARRIER()
         if COMPUTE:
             m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
-                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2, SWAP)
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)

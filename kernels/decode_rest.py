@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .layout import PagedKV, key_offsets, value_offsets
+from .layout import PagedKV, key_tile, value_tile
 
 # Tokens of a block. 64 and 128 (one block a program then: fewer partials to write and merge at large batch, more
 # latency a program) were slower or no faster at all six Qwen3-8B shapes (BENCHMARKS.md section 1, session 13).
@@ -124,8 +124,7 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
     if (j >= n_sink) & (slot < nkp):
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         shift = 2 * quarter[:, None]
-        low = tl.load(klow_ptr + kpage * (G4 * D) + key_offsets(row, d, G4, D),
-                      mask=(tok < G)[:, None] & dmask[None, :], other=0)
+        low = key_tile(klow_ptr + kpage * (G4 * D), row, d, (tok < G)[:, None] & dmask[None, :], G4, D)
         scale = tl.load(kscale_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         keys = ((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :]
@@ -135,8 +134,7 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
             ch = tl.load(kch_ptr + kpage * NB + r, mask=rmask, other=0).to(tl.int32)
             ch_scale = tl.load(kscale_ptr + kpage * D + ch, mask=rmask, other=0.0).to(tl.float32)
             q_ch = tl.load(q_rows + ch[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-            high = tl.load(khigh_ptr + kpage * (G4 * NB) + key_offsets(row, r, G4, NB),
-                           mask=(tok < G)[:, None] & rmask[None, :], other=0)
+            high = key_tile(khigh_ptr + kpage * (G4 * NB), row, r, (tok < G)[:, None] & rmask[None, :], G4, NB)
             high = ((high.to(tl.int32) >> shift) & 3).to(tl.float32)                     # (tokens, boosted)
             boost = tl.dot((q_ch * qk_scale * (4.0 * ch_scale)[None, :]).to(DOT), tl.trans(high.to(DOT)),
                            input_precision=PREC)
@@ -148,11 +146,13 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
     if (j >= n_sink) & (slot < nvp):
         vpage = tl.load(vtab_ptr + b * VMP + slot).to(tl.int64) * H + h
         tmask = (tok < G)[:, None] & dmask[None, :]
-        offs = vpage * (D4 * G) + value_offsets((d % D4)[None, :], tok[:, None], G, D4)  # channel d's byte: d % D4
+        byte = (d % D4)[None, :]                                                # channel d's byte: d % D4
         shift = 2 * (d // D4)[None, :]                                          # ... at bits 2 * (d // D4)
-        code = (tl.load(vlow_ptr + offs, mask=tmask, other=0).to(tl.int32) >> shift) & 3
+        code = (value_tile(vlow_ptr + vpage * (D4 * G), byte, tok[:, None], tmask, G, D4, 0).to(tl.int32)
+                >> shift) & 3
         if V_BITS == 4:
-            code = code | (((tl.load(vhigh_ptr + offs, mask=tmask, other=0).to(tl.int32) >> shift) & 3) << 2)
+            code = code | (((value_tile(vhigh_ptr + vpage * (D4 * G), byte, tok[:, None], tmask, G, D4, 0)
+                             .to(tl.int32) >> shift) & 3) << 2)
         scale = tl.load(vscale_ptr + vpage * G + tok, mask=tok < G, other=0.0).to(tl.float32)
         zero = tl.load(vzero_ptr + vpage * G + tok, mask=tok < G, other=0.0).to(tl.float32)
         values = code.to(tl.float32) * scale[:, None] + zero[:, None]

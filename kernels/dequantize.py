@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import key_offsets, key_rows, unpack_quarters, value_offsets, value_rows
+from .layout import key_offsets, key_rows, key_tile, unpack_quarters, value_rows, value_tile
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -78,7 +78,7 @@ def _key_pages_into_kernel(low_ptr, high_ptr, ch_ptr, scale_ptr, zero_ptr, ids_p
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     mask = (j < G4)[:, None] & dmask[None, :]
-    low = tl.load(low_ptr + page * G4 * D + key_offsets(j, d, G4, D), mask=mask, other=0).to(tl.int32)
+    low = key_tile(low_ptr + page * G4 * D, j, d, mask, G4, D).to(tl.int32)
     high = tl.zeros((BLOCK_G4, BLOCK_D), tl.int32)
     if NB > 0:
         # each channel's row in the high plane (boosted channels only), so both planes combine in one tile
@@ -113,10 +113,9 @@ def _value_pages_into_kernel(low_ptr, high_ptr, scale_ptr, zero_ptr, ids_ptr, se
     c = tl.arange(0, BLOCK_D4)
     tmask = t < G
     mask = tmask[:, None] & (c < D4)[None, :]
-    offs = page * D4 * G + value_offsets(c[None, :], t[:, None], G, D4)
-    low = tl.load(low_ptr + offs, mask=mask, other=0).to(tl.int32)
+    low = value_tile(low_ptr + page * D4 * G, c[None, :], t[:, None], mask, G, D4, 0).to(tl.int32)
     if BITS == 4:
-        high = tl.load(high_ptr + offs, mask=mask, other=0).to(tl.int32)
+        high = value_tile(high_ptr + page * D4 * G, c[None, :], t[:, None], mask, G, D4, 0).to(tl.int32)
     scale = tl.load(scale_ptr + page * G + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
     zero = tl.load(zero_ptr + page * G + t, mask=tmask, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + b * stride_b + (t0 + t[:, None]) * stride_t + h * stride_h + c[None, :]

@@ -23,7 +23,12 @@ in which the Gluon kernel computes it and keeps it in shared memory: so a page's
 one TMA box of whole 128-byte rows copies as it is. TMA boxes of the 32-byte rows of one chunk, which the
 row-major planes before needed, capped the kernel's copies at 3,954 GB/s at batch 64 / 32K, where boxes of
 128-byte rows reached 4,326 (H200, 2026-12-03, `python -m backend.bench tune --vary loads`, BENCHMARKS.md section
-1, session 22). key_rows / value_rows give the planes row by row, as the references read them.
+1, session 22). Within every 4 bytes of a stored row, bytes 1 and 2 trade places (column 4a + b is stored at
+4a + SWAP[b]): the Gluon kernel turns a word of code bytes into fp16 operand pairs from its bytes 0 and 2 and its
+bytes 1 and 3, which are then two pairs of consecutive columns, as the matrix unit's other operand holds them (in
+the natural order, 32 byte permutes a kitty-pro page reordered that operand instead: BENCHMARKS.md section 1,
+session 26). key_rows / value_rows give the planes row by row and in order, as the references read them;
+key_offsets / value_offsets address them for the Triton kernels.
 """
 from __future__ import annotations
 
@@ -50,9 +55,9 @@ def value_page_bytes(heads: int, head_dim: int, page_size: int, bits: int) -> in
 
 
 KEY_CHUNK = 32                  # channels of a key plane's chunk (the Gluon kernel's KC)
-_KEY_CHUNK = tl.constexpr(KEY_CHUNK)
 
 
+@triton.constexpr_function
 def key_chunk(columns: int) -> int:
     """Columns of a chunk of a key plane `columns` wide: KEY_CHUNK where chunks of it tile the plane, else the
     whole plane (16 boosted channels, or 48 of head_dim 192)."""
@@ -70,46 +75,133 @@ def value_plane_shape(heads: int, head_dim: int, page_size: int, present: bool =
     return heads, 4 if present else 0, head_dim // 4, page_size // 4
 
 
+SWAP = (0, 2, 1, 3)             # where byte b of every 4 of a stored row lies (its own inverse)
+
+
+def swapped(x: torch.Tensor) -> torch.Tensor:
+    """x's last dimension with bytes 1 and 2 of every whole 4 traded (a last partial 4 left as it is): stored order
+    <-> column order, both ways."""
+    n = x.shape[-1]
+    order = torch.arange(n, device=x.device)
+    whole = n - n % 4
+    order[:whole] = order[:whole].reshape(-1, 4)[:, list(SWAP)].flatten()
+    return x[..., order]
+
+
 def key_rows(plane: torch.Tensor) -> torch.Tensor:
     """(..., chunks, G/4, C) stored key plane -> (..., G/4, chunks * C) bytes, row j holding its channels in order."""
     *lead, n, r, c = plane.shape
-    return plane.transpose(-3, -2).reshape(*lead, r, n * c)
+    return swapped(plane).transpose(-3, -2).reshape(*lead, r, n * c)
 
 
 def key_chunks(rows: torch.Tensor) -> torch.Tensor:
     """Inverse of key_rows: (..., G/4, K) -> the stored (..., K/C, G/4, C), C = key_chunk(K)."""
     *lead, r, k = rows.shape
     c = key_chunk(k)
-    return rows.reshape(*lead, r, k // c, c).transpose(-3, -2).contiguous()
+    return swapped(rows.reshape(*lead, r, k // c, c).transpose(-3, -2)).contiguous()
 
 
 def value_rows(plane: torch.Tensor) -> torch.Tensor:
     """(..., 4, D/4, G/4) stored value plane -> (..., D/4, G) bytes, tokens in order (a plane without quarters
     gives (..., D/4, 0))."""
     *lead, n, c, t = plane.shape
-    return plane.permute(*range(len(lead)), -2, -3, -1).reshape(*lead, c, n * t)
+    return swapped(plane).permute(*range(len(lead)), -2, -3, -1).reshape(*lead, c, n * t)
 
 
 def value_chunks(rows: torch.Tensor) -> torch.Tensor:
     """Inverse of value_rows: (..., D/4, G) -> the stored (..., 4, D/4, G/4)."""
     *lead, c, g = rows.shape
-    return rows.reshape(*lead, c, 4, g // 4).transpose(-3, -2).contiguous()
+    return swapped(rows.reshape(*lead, c, 4, g // 4).transpose(-3, -2)).contiguous()
 
 
 @triton.jit
-def key_offsets(j, d, G4: tl.constexpr, K: tl.constexpr):
+def swap_column(i, N: tl.constexpr):
+    """Where column i of a row of N lies in its stored row, and which column a stored row holds at i (SWAP: bits 0
+    and 1 of i traded, in the row's whole 4; a last partial 4 is stored in order)."""
+    s = (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)
+    if N % 4 != 0:
+        s = tl.where(i < N - N % 4, s, i)
+    return s
+
+
+@triton.jit
+def key_offsets(j, d, G4: tl.constexpr, K: tl.constexpr, AS_STORED: tl.constexpr = False):
     """Offsets in a key plane K columns wide (layout.py: chunk by chunk) of rows j (a column vector's worth) and
-    columns d: a (rows, columns) tile."""
-    C: tl.constexpr = _KEY_CHUNK if tl.constexpr(K) % _KEY_CHUNK == 0 else K     # key_chunk
-    return (d // C)[None, :] * (G4 * C) + j[:, None] * C + (d % C)[None, :]
+    columns d: a (rows, columns) tile. AS_STORED: its columns in stored order instead (column d of the tile is then
+    column swap_column(d) of the plane: whole words, which the compiler can read as vectors; key_tile)."""
+    C: tl.constexpr = key_chunk(K)
+    column = d % C
+    if not AS_STORED:
+        column = swap_column(column, C)
+    return (d // C)[None, :] * (G4 * C) + j[:, None] * C + column[None, :]
 
 
 @triton.jit
-def value_offsets(c, t, G: tl.constexpr, D4: tl.constexpr):
+def value_offsets(c, t, G: tl.constexpr, D4: tl.constexpr, AS_STORED: tl.constexpr = False):
     """Offsets in a value plane (layout.py: token quarter by token quarter) of channel bytes c and tokens t
-    (broadcast against each other)."""
+    (broadcast against each other). AS_STORED: the tokens in stored order instead (as key_offsets')."""
     G4: tl.constexpr = G // 4
-    return (t // G4) * (D4 * G4) + c * G4 + t % G4
+    column = t % G4
+    if not AS_STORED:
+        column = swap_column(column, G4)
+    return (t // G4) * (D4 * G4) + c * G4 + column
+
+
+@triton.jit
+def in_order(tile, AXIS: tl.constexpr):
+    """A 2-D tile with dimension AXIS in stored order (key_offsets' or value_offsets' AS_STORED) -> the same tile
+    in order, and the other way round (SWAP is its own inverse): a register permutation."""
+    R: tl.constexpr = tile.shape[0]
+    C: tl.constexpr = tile.shape[1]
+    if AXIS == 1:
+        return tl.reshape(tl.permute(tl.reshape(tile, (R, C // 4, 2, 2)), (0, 1, 3, 2)), (R, C))
+    return tl.reshape(tl.permute(tl.reshape(tile, (R // 4, 2, 2, C)), (0, 2, 1, 3)), (R, C))
+
+
+@triton.constexpr_function
+def in_words(columns: int) -> bool:
+    """Whether a plane's stored rows of `columns` bytes are whole 4-byte words, all in SWAP's order: a Triton
+    kernel can then move a tile of it as whole words as stored, and put it (or the other operand of a product with
+    it) in order in registers (in_order). The tile's columns (keys) or tokens (values) must start at a multiple of 4
+    and run on in order, as they all do."""
+    return columns % 4 == 0
+
+
+# The Triton kernels' tiles of a plane, read or written in column order: where the plane's rows are whole words as
+# stored and put in order in registers (in_words), else byte by byte.
+@triton.jit
+def key_tile(ptr, j, d, mask, G4: tl.constexpr, K: tl.constexpr):
+    """The (rows j, columns d) tile of the key plane at ptr (K columns wide), columns in order (0 where masked)."""
+    if in_words(key_chunk(K)):
+        return in_order(tl.load(ptr + key_offsets(j, d, G4, K, True), mask=mask, other=0), 1)
+    return tl.load(ptr + key_offsets(j, d, G4, K), mask=mask, other=0)
+
+
+@triton.jit
+def store_key_tile(ptr, j, d, tile, mask, G4: tl.constexpr, K: tl.constexpr):
+    """Write the (rows j, columns d) tile into the key plane at ptr, as key_tile reads it."""
+    if in_words(key_chunk(K)):
+        tl.store(ptr + key_offsets(j, d, G4, K, True), in_order(tile, 1), mask=mask)
+    else:
+        tl.store(ptr + key_offsets(j, d, G4, K), tile, mask=mask)
+
+
+@triton.jit
+def value_tile(ptr, c, t, mask, G: tl.constexpr, D4: tl.constexpr, TOKENS: tl.constexpr):
+    """The tile of channel bytes c and tokens t (broadcast against each other, tokens along dimension TOKENS) of the
+    value plane at ptr, tokens in order (0 where masked)."""
+    if in_words(G // 4):
+        return in_order(tl.load(ptr + value_offsets(c, t, G, D4, True), mask=mask, other=0), TOKENS)
+    return tl.load(ptr + value_offsets(c, t, G, D4), mask=mask, other=0)
+
+
+@triton.jit
+def store_value_tile(ptr, c, t, tile, mask, G: tl.constexpr, D4: tl.constexpr, TOKENS: tl.constexpr):
+    """Write the tile into the value plane at ptr, as value_tile reads it."""
+    if in_words(G // 4):
+        tl.store(ptr + value_offsets(c, t, G, D4, True), in_order(tile, TOKENS), mask=mask)
+    else:
+        tl.store(ptr + value_offsets(c, t, G, D4), tile, mask=mask)
 
 
 def pack_quarters(codes: torch.Tensor, dim: int) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import (SCALE_DTYPE, boost_mask, key_chunks, key_offsets, key_plane_shape, pack_quarters,
-                     value_chunks, value_offsets, value_plane_shape)
+from .layout import (SCALE_DTYPE, boost_mask, key_chunks, key_plane_shape, pack_quarters, store_key_tile,
+                     store_value_tile, value_chunks, value_plane_shape)
 
 
 # ---------------------------------------------------------------------------------------------- boost choice
@@ -164,7 +164,7 @@ def _quantize_key_page(x_page, ch, boosted, low_page, high_page, scale_page, zer
     # boosted channels get 4-bit levels, also in the low plane (it holds their low 2 bits)
     c0, c1, c2, c3, scale, zero = _key_quarter_codes(x_page + j[:, None] * D + d[None, :], mask, G4, D,
                                                      tl.where(boosted, 15.0, 3.0))
-    tl.store(low_page + key_offsets(j, d, G4, D), _pack(c0, c1, c2, c3), mask=mask)
+    store_key_tile(low_page, j, d, _pack(c0, c1, c2, c3), mask, G4, D)
     tl.store(scale_page + d, scale, mask=d < D)
     tl.store(zero_page + d, zero, mask=d < D)
     if NB > 0:
@@ -173,7 +173,7 @@ def _quantize_key_page(x_page, ch, boosted, low_page, high_page, scale_page, zer
         hmask = jmask[:, None] & (r < NB)[None, :]
         h0, h1, h2, h3, _, _ = _key_quarter_codes(x_page + j[:, None] * D + ch[None, :], hmask, G4, D,
                                                   tl.full((BLOCK_NB,), 15.0, tl.float32))
-        tl.store(high_page + key_offsets(j, r, G4, NB), _pack(h0 >> 2, h1 >> 2, h2 >> 2, h3 >> 2), mask=hmask)
+        store_key_tile(high_page, j, r, _pack(h0 >> 2, h1 >> 2, h2 >> 2, h3 >> 2), hmask, G4, NB)
 
 
 @triton.jit
@@ -216,10 +216,10 @@ def _quantize_value_page(x_page, low_page, high_page, scale_page, zero_page,
     c1 = _encode(x1, mask, s, z, levels)
     c2 = _encode(x2, mask, s, z, levels)
     c3 = _encode(x3, mask, s, z, levels)
-    offs = value_offsets(c[None, :], t[:, None], G, D4)             # (channel byte, token), by token quarter
-    tl.store(low_page + offs, _pack(c0, c1, c2, c3), mask=mask)
+    # (token, channel byte) tiles, by token quarter
+    store_value_tile(low_page, c[None, :], t[:, None], _pack(c0, c1, c2, c3), mask, G, D4, 0)
     if BITS == 4:
-        tl.store(high_page + offs, _pack(c0 >> 2, c1 >> 2, c2 >> 2, c3 >> 2), mask=mask)
+        store_value_tile(high_page, c[None, :], t[:, None], _pack(c0 >> 2, c1 >> 2, c2 >> 2, c3 >> 2), mask, G, D4, 0)
     tl.store(scale_page + t, scale, mask=tmask)
     tl.store(zero_page + t, zero, mask=tmask)
 

@@ -424,6 +424,18 @@ def test_timeline_says_how_many_programs_a_multiprocessor_ran_at_once():
     assert summary["key_wait_pct"] == 100 * 40 / 400 and summary["value_wait_pct"] == 100 * 60 / 400
 
 
+def test_clock_samples_become_their_medians():
+    """bench tune's clock and power per setting (gpu_clocks): the medians of nvidia-smi's samples, skipping the ones
+    it could not read; nothing without a sample (on a CPU the rows have no clocks)."""
+    from backend.bench import gpu_clocks, median_clocks
+    samples = "1980, 650.5\n1755, 699.9\n[N/A], [N/A]\n1700, 700.1\n\n"
+    assert median_clocks(samples) == {"sm_mhz": 1755.0, "power_w": 699.9}
+    assert median_clocks("[N/A], [N/A]\n") == {}
+    with gpu_clocks("cpu") as clocks:
+        pass
+    assert clocks == {}
+
+
 def test_local_spikes_compare_a_boundary_step_with_the_steps_around_it():
     """The page-boundary bar's measure: a boundary step over the median of the ordinary steps near it, so that a
     step time growing with the context is no spike, and the first two steps (eager, graph capture) count for

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import DEVICE
 from paged_factory import random_paged_kv
 
@@ -27,8 +29,9 @@ from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNRE
 from kernels.decode_rest import REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
-from kernels.layout import (boost_mask, key_chunks, key_plane_shape, key_rows, pack_quarters, unpack_quarters,
-                            value_chunks, value_plane_shape, value_rows)
+from kernels.layout import (SWAP, boost_mask, key_chunks, key_offsets, key_plane_shape, key_rows, key_tile,
+                            pack_quarters, store_key_tile, store_value_tile, unpack_quarters, value_chunks,
+                            value_offsets, value_plane_shape, value_rows, value_tile)
 from kernels.quantize import (channel_error, channel_error_ref, choose_boost, quantize_keys, quantize_keys_ref,
                               quantize_values, quantize_values_ref)
 
@@ -59,12 +62,15 @@ def test_pack_roundtrip():
 
 def test_planes_are_stored_chunk_by_chunk():
     """layout.py's storage order, which the Gluon kernel copies into shared memory as it is: a key plane's byte [c, j,
-    i] is row j's channel 32c + i (a plane narrower than 32, or not a multiple of it, is one chunk), a value plane's
-    byte [q, c, t] is channel byte c of token q * G/4 + t; key_rows / value_rows undo it."""
+    4a + SWAP[b]] is row j's channel 32c + 4a + b (a plane narrower than 32, or not a multiple of it, is one chunk),
+    a value plane's byte [q, c, 4a + SWAP[b]] is channel byte c of token q * G/4 + 4a + b (SWAP: bytes 1 and 2 of
+    every 4 traded); key_rows / value_rows undo it, and the Triton kernels' offsets address the same bytes."""
+    assert SWAP == (0, 2, 1, 3)
     rows = torch.randint(0, 256, (2, 3, 32, 128), dtype=torch.uint8)                   # (N, H, G/4, D)
     stored = key_chunks(rows)
     assert stored.shape == (2, 3, *key_plane_shape(3, 128, 128)[1:]) == (2, 3, 4, 32, 32)
     assert stored[1, 2, 3, 5, 7] == rows[1, 2, 5, 3 * 32 + 7] and torch.equal(key_rows(stored), rows)
+    assert stored[1, 2, 3, 5, 5] == rows[1, 2, 5, 3 * 32 + 6] and stored[1, 2, 3, 5, 6] == rows[1, 2, 5, 3 * 32 + 5]
     for narrow in (16, 48):
         assert key_chunks(rows[..., :narrow]).shape == (2, 3, 1, 32, narrow) == (2, 3, *key_plane_shape(3, 128,
                                                                                                        narrow)[1:])
@@ -72,6 +78,37 @@ def test_planes_are_stored_chunk_by_chunk():
     stored = value_chunks(values)
     assert stored.shape == (2, 3, *value_plane_shape(3, 128, 128)[1:]) == (2, 3, 4, 32, 32)
     assert stored[1, 2, 3, 5, 7] == values[1, 2, 5, 3 * 32 + 7] and torch.equal(value_rows(stored), values)
+    assert stored[1, 2, 3, 5, 1] == values[1, 2, 5, 3 * 32 + 2] and stored[1, 2, 3, 5, 2] == values[1, 2, 5, 3 * 32 + 1]
+    # the Triton kernels' tiles: read byte by byte at key_offsets / value_offsets, and as whole words put in order
+    # (key_tile, value_tile); written back as whole words (store_key_tile, store_value_tile)
+    key_plane, value_plane = key_chunks(rows)[1, 2].contiguous(), value_chunks(values)[1, 2].contiguous()
+    for words in (False, True):
+        key_tile_, value_tile_ = torch.empty(32, 128, dtype=torch.uint8), torch.empty(128, 32, dtype=torch.uint8)
+        key_copy, value_copy = torch.zeros_like(key_plane), torch.zeros_like(value_plane)
+        _planes_kernel[(1,)](key_plane, value_plane, key_tile_, value_tile_, key_copy, value_copy, WORDS=words)
+        assert torch.equal(key_tile_, rows[1, 2]) and torch.equal(value_tile_, values[1, 2].T), words
+        assert torch.equal(key_copy, key_plane) and torch.equal(value_copy, value_plane), words
+
+
+@triton.jit
+def _planes_kernel(key_plane, value_plane, key_out, value_out, key_copy, value_copy, WORDS: tl.constexpr):
+    """A (G/4 = 32, D = 128) key plane and a (D/4 = 32, G = 128) value plane read as the Triton kernels read them:
+    the key tile (rows, channels) and the value tile (tokens, channel bytes) into key_out / value_out, and both
+    written again into key_copy / value_copy."""
+    j = tl.arange(0, 32)
+    d = tl.arange(0, 128)
+    key_mask = (j[:, None] < 32) & (d[None, :] < 128)
+    value_mask = (d[:, None] < 128) & (j[None, :] < 32)
+    if WORDS:
+        keys = key_tile(key_plane, j, d, key_mask, 32, 128)
+        values = value_tile(value_plane, j[None, :], d[:, None], value_mask, 128, 32, 0)
+    else:
+        keys = tl.load(key_plane + key_offsets(j, d, 32, 128))
+        values = tl.load(value_plane + value_offsets(j[None, :], d[:, None], 128, 32))
+    tl.store(key_out + j[:, None] * 128 + d[None, :], keys)
+    tl.store(value_out + d[:, None] * 32 + j[None, :], values)
+    store_key_tile(key_copy, j, d, keys, key_mask, 32, 128)
+    store_value_tile(value_copy, j[None, :], d[:, None], values, value_mask, 128, 32, 0)
 
 
 @pytest.mark.parametrize("g,d", [(128, 64), (64, 128), (36, 64)])
@@ -565,12 +602,13 @@ def test_tma_destinations_are_aligned_in_shared_memory():
 
 def test_padded_kernels_add_the_instructions_they_say():
     """Without a GPU: the measurement of what one more instruction costs (decode_gluon's PAD, bench tune --vary
-    pad) adds to the page loop the LOP3, FFMA or HMMA instructions it is asked for, and few others; PAD "noswap"
-    takes the second operands' byte permutes off (32 of 48 PRMT a kitty-pro page) and nothing else."""
+    pad) adds to the page loop the LOP3, FFMA or HMMA instructions it is asked for, and few others. And the page
+    layout (layout.SWAP) leaves the second operands without byte permutes: 16 PRMT a kitty-pro page, those of the
+    boosted channels' gathered queries (48 when the second operands' rows were swapped in registers)."""
     code = textwrap.dedent("""
         import torch
         from kernels.sass_profile import compile_gluon_kernel, profile
-        for pad in (None, ("alu", 64), ("fma", 64), ("mma", 8), ("noswap", 0)):
+        for pad in (None, ("alu", 64), ("fma", 64), ("mma", 8)):
             row = profile(compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, pad=pad))
             print(row["loop instructions"], row["loop integer"], row["loop float"], row["loop matrix"],
                   row["loop opcodes"].get("PRMT", 0))
@@ -578,11 +616,11 @@ def test_padded_kernels_add_the_instructions_they_say():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
-    plain, alu, fma, mma, noswap = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
+    plain, alu, fma, mma = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
     assert 64 <= alu[1] - plain[1] <= 68 and alu[0] - plain[0] <= 68, run.stdout
     assert 64 <= fma[2] - plain[2] <= 76 and fma[0] - plain[0] <= 80, run.stdout
     assert mma[3] - plain[3] == 8 and mma[0] - plain[0] <= 32, run.stdout
-    assert plain[4] - noswap[4] >= 32 and plain[0] - noswap[0] >= 28 and noswap[2:4] == plain[2:4], run.stdout
+    assert plain[4] <= 16, run.stdout
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
