@@ -384,9 +384,10 @@ def bench_tune(args) -> dict:
                                      setting["pad"], setting["timeline"] == "waits")
                 # each setting's launches in an NVTX range, so that Nsight Compute can profile one of them
                 # (backend.kernel_profile --command tune --nvtx-range NAME)
-                with nvtx_range(tune_range(setting), device), gpu_clocks(device) as clocks:
+                with nvtx_range(tune_range(setting), device):
                     seconds = median_seconds(run, args.quick)
                     kernels = kernel_us(run) if device == "cuda" else {}
+                clocks = gpu_clocks(run, device)
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels,
                                  paged_gbs=paged_bytes(kv) / seconds / 1e9, **clocks))
@@ -398,7 +399,8 @@ def bench_tune(args) -> dict:
                       + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
                       f"{rows[-1]['gbs']:7.0f} GB/s (pages {rows[-1]['paged_gbs']:5.0f})"
                       + "".join(f" | {name[:24]} {us:.1f}" for name, us in kernels.items())
-                      + "".join(f" | {name} {value:.0f}" for name, value in clocks.items()), flush=True)
+                      + "".join(f" | {name} {value:#x}" if name == "clock_reasons" else f" | {name} {value:.0f}"
+                                for name, value in clocks.items()), flush=True)
             del layer, kv, k, v
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -411,40 +413,60 @@ def tune_range(setting: dict) -> str:
     return f"{setting['kernel']}.{setting['loads'] or 'whole'}.{setting['maxnreg']}"
 
 
-@contextlib.contextmanager
-def gpu_clocks(device: str):
-    """The GPU's multiprocessor clock and power draw while the block runs: the medians of nvidia-smi's samples every
-    10 ms ({"sm_mhz", "power_w"}, filled in when the block ends; empty on a CPU or without nvidia-smi). Whether a
-    kernel runs at a lower clock than another (a power limit) is a reason for its time that no profile of its
-    instructions shows."""
-    clocks: dict[str, float] = {}
+CLOCK_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+
+def gpu_clocks(fn, device: str, seconds: float = 1.5) -> dict[str, float]:
+    """The GPU's multiprocessor clock and power draw while fn's launches run back to back for `seconds`, and why its
+    clock is held down: the medians of nvidia-smi's samples every 10 ms and their most frequent clock event reasons
+    ({"sm_mhz", "power_w", "clock_reasons"}: a bit mask, 0x4 the power cap, 0x20 / 0x40 thermal slowdowns, 0x80 the
+    power brake); empty on a CPU or without nvidia-smi. Whether a kernel runs at a lower clock than another is a
+    reason for its time that no profile of its instructions shows. The samples of the sampler's first 0.2 s, before
+    the launches, are dropped."""
     if device != "cuda" or shutil.which("nvidia-smi") is None:
-        yield clocks
-        return
+        return {}
     index = os.environ.get("CUDA_VISIBLE_DEVICES", str(torch.cuda.current_device())).split(",")[0]
-    sampler = subprocess.Popen(["nvidia-smi", "-i", index, "--query-gpu=clocks.sm,power.draw",
+    sampler = subprocess.Popen(["nvidia-smi", "-i", index, f"--query-gpu=timestamp,{CLOCK_QUERY}",
                                 "--format=csv,noheader,nounits", "-lms", "10"], stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
     try:
-        yield clocks
+        time.sleep(0.2)                             # nvidia-smi's start, then the launches
+        start = datetime.now()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+        stop = datetime.now()
     finally:
         sampler.terminate()
-        clocks.update(median_clocks(sampler.communicate()[0]))
+    lines = sampler.communicate()[0].splitlines()
+    return median_clocks("\n".join(line.split(",", 1)[1] for line in lines
+                                   if "," in line and _sampled_between(line.split(",", 1)[0], start, stop)))
+
+
+def _sampled_between(stamp: str, start: datetime, stop: datetime) -> bool:
+    """Whether nvidia-smi's timestamp ("2026/12/04 20:51:03.123") lies in [start, stop] (local time, as both are)."""
+    try:
+        return start <= datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f") <= stop
+    except ValueError:
+        return False
 
 
 def median_clocks(samples: str) -> dict[str, float]:
-    """nvidia-smi's "clock, power" lines -> their medians {"sm_mhz", "power_w"}, from the lines it could read (not
-    "[N/A]"); empty without one."""
+    """nvidia-smi's "clock, power, reasons" lines -> the medians of the first two and the most frequent reasons
+    mask {"sm_mhz", "power_w", "clock_reasons"}, from the lines it could read (not "[N/A]"); empty without one."""
     rows = []
     for line in samples.splitlines():
         try:
-            mhz, watts = (float(x) for x in line.split(","))
+            mhz, watts, reasons = line.split(",")
+            rows.append((float(mhz), float(watts), int(reasons, 16)))
         except ValueError:
             continue
-        rows.append((mhz, watts))
     if not rows:
         return {}
-    return {"sm_mhz": statistics.median(r[0] for r in rows), "power_w": statistics.median(r[1] for r in rows)}
+    return {"sm_mhz": statistics.median(r[0] for r in rows), "power_w": statistics.median(r[1] for r in rows),
+            "clock_reasons": statistics.mode(r[2] for r in rows)}
 
 
 @contextlib.contextmanager

@@ -425,15 +425,20 @@ def test_timeline_says_how_many_programs_a_multiprocessor_ran_at_once():
 
 
 def test_clock_samples_become_their_medians():
-    """bench tune's clock and power per setting (gpu_clocks): the medians of nvidia-smi's samples, skipping the ones
-    it could not read; nothing without a sample (on a CPU the rows have no clocks)."""
-    from backend.bench import gpu_clocks, median_clocks
-    samples = "1980, 650.5\n1755, 699.9\n[N/A], [N/A]\n1700, 700.1\n\n"
-    assert median_clocks(samples) == {"sm_mhz": 1755.0, "power_w": 699.9}
-    assert median_clocks("[N/A], [N/A]\n") == {}
-    with gpu_clocks("cpu") as clocks:
-        pass
-    assert clocks == {}
+    """bench tune's clock and power per setting (gpu_clocks): the medians of nvidia-smi's samples and their most
+    frequent clock event reasons, skipping the samples it could not read; nothing without a sample (on a CPU the
+    rows have no clocks). A sample counts only between the launches' first and last (its timestamp)."""
+    from datetime import datetime
+
+    from backend.bench import _sampled_between, gpu_clocks, median_clocks
+    samples = ("1980, 650.5, 0x0000000000000000\n1755, 699.9, 0x0000000000000004\n[N/A], [N/A], [N/A]\n"
+               "1700, 700.1, 0x0000000000000004\n\n")
+    assert median_clocks(samples) == {"sm_mhz": 1755.0, "power_w": 699.9, "clock_reasons": 4}
+    assert median_clocks("[N/A], [N/A], [N/A]\n") == {}
+    assert gpu_clocks(lambda: None, "cpu") == {}
+    start, stop = datetime(2026, 12, 4, 20, 51, 3), datetime(2026, 12, 4, 20, 51, 5)
+    assert _sampled_between("2026/12/04 20:51:04.250", start, stop)
+    assert not _sampled_between("2026/12/04 20:51:02.990", start, stop) and not _sampled_between("[N/A]", start, stop)
 
 
 def test_local_spikes_compare_a_boundary_step_with_the_steps_around_it():

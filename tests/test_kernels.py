@@ -81,12 +81,14 @@ def test_planes_are_stored_chunk_by_chunk():
     assert stored[1, 2, 3, 5, 1] == values[1, 2, 5, 3 * 32 + 2] and stored[1, 2, 3, 5, 2] == values[1, 2, 5, 3 * 32 + 1]
     # the Triton kernels' tiles: read byte by byte at key_offsets / value_offsets, and as whole words put in order
     # (key_tile, value_tile); written back as whole words (store_key_tile, store_value_tile)
-    key_plane, value_plane = key_chunks(rows)[1, 2].contiguous(), value_chunks(values)[1, 2].contiguous()
+    key_plane = key_chunks(rows)[1, 2].contiguous().to(DEVICE)
+    value_plane = value_chunks(values)[1, 2].contiguous().to(DEVICE)
     for words in (False, True):
-        key_tile_, value_tile_ = torch.empty(32, 128, dtype=torch.uint8), torch.empty(128, 32, dtype=torch.uint8)
+        key_tile_ = torch.empty(32, 128, dtype=torch.uint8, device=DEVICE)
+        value_tile_ = torch.empty(128, 32, dtype=torch.uint8, device=DEVICE)
         key_copy, value_copy = torch.zeros_like(key_plane), torch.zeros_like(value_plane)
         _planes_kernel[(1,)](key_plane, value_plane, key_tile_, value_tile_, key_copy, value_copy, WORDS=words)
-        assert torch.equal(key_tile_, rows[1, 2]) and torch.equal(value_tile_, values[1, 2].T), words
+        assert torch.equal(key_tile_.cpu(), rows[1, 2]) and torch.equal(value_tile_.cpu(), values[1, 2].T), words
         assert torch.equal(key_copy, key_plane) and torch.equal(value_copy, value_plane), words
 
 
