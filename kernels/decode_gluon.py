@@ -40,7 +40,9 @@ matrix products a page: within 1 % at batch 64, 3-4 % slower at 1 / 4K; both ses
 integer products with these fp16 operands split into two 8-bit limbs (x * s = hi + lo / 128; one AND per 4 codes,
 each product twice: 14 % slower at batch 64 / 32K for the keys and values, 7 % for the keys alone, and the value
 limbs 2-3x less exact) and a second value buffer at 12 programs a multiprocessor (within 1 % at batch 64 / 32K, up
-to 7 % slower at batch 1; both session 27, in git history). No CPU
+to 7 % slower at batch 1; both session 27, in git history). A second key buffer was not built: the programs
+wait for their key pages 1.5 % of their cycles and for their value pages 1.6 % (kitty-pro at batch 64 / 32K, `bench
+tune --vary timeline`'s WAITS; session 29). No CPU
 interpreter runs Gluon: `decode_attention(..., kernel="gluon")` is tested on a GPU against the PyTorch reference
 (tests/test_kernels.py), and its static profile comes from `python -m kernels.sass_profile --kernel gluon`.
 """
