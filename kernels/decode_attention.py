@@ -39,7 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .decode_rest import launch_rest, rest_blocks_per_program, rest_parts, rest_warps as default_rest_warps
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
-from .layout import PagedKV, in_order, in_words, key_chunk, key_offsets, value_offsets
+from .layout import PagedKV, key_tile_and_operand, value_tile_and_operand
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -202,7 +202,6 @@ def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
     s3 = tl.zeros((BLOCK_G4, BLOCK_H), tl.float32)
     zq = tl.zeros((BLOCK_H,), tl.float32)
     bsum = tl.zeros((BLOCK_H,), tl.float32)
-    LOW_WORDS: tl.constexpr = in_words(key_chunk(D))
     for chunk in tl.static_range(0, D, KC):
         d = chunk + tl.arange(0, KC)
         dmask = d < D
@@ -212,11 +211,8 @@ def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
         zero = tl.load(kzero_ptr + page * D + d, mask=dmask, other=0.0).to(tl.float32)
         zq += tl.sum(q * zero[:, None], axis=0)
         b = (q * scale[:, None]).to(DOT)
-        # (token-in-quarter, channel): where the plane is in whole words, the tile as stored and b in that order
-        tile = tl.load(klow_ptr + page * (G4 * D) + key_offsets(j, d, G4, D, LOW_WORDS),
-                       mask=jmask & dmask[None, :], other=0)
-        if LOW_WORDS:
-            b = in_order(b, 0)
+        tile, b = key_tile_and_operand(klow_ptr + page * (G4 * D), j, d, jmask & dmask[None, :], b, G4,
+                                       D)                                       # (token-in-quarter, channel)
         s0, s1, s2, s3, bsum = _plane_products(tile, b, s0, s1, s2, s3, bsum, DOT, PREC, ASM, OFFSET)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
@@ -226,11 +222,7 @@ def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
         ch_scale = tl.load(kscale_ptr + page * D + ch, mask=nbmask, other=0.0).to(tl.float32)
         q_ch = tl.load(q_cols[None, :] + ch[:, None], mask=nbmask[:, None] & hmask[None, :], other=0.0)
         b = (q_ch.to(tl.float32) * qk_scale * (4.0 * ch_scale)[:, None]).to(DOT)
-        high_words: tl.constexpr = in_words(key_chunk(NB))
-        tile = tl.load(khigh_ptr + page * (G4 * NB) + key_offsets(j, r, G4, NB, high_words),
-                       mask=jmask & nbmask[None, :], other=0)
-        if high_words:
-            b = in_order(b, 0)
+        tile, b = key_tile_and_operand(khigh_ptr + page * (G4 * NB), j, r, jmask & nbmask[None, :], b, G4, NB)
         s0, s1, s2, s3, bsum = _plane_products(tile, b, s0, s1, s2, s3, bsum, DOT, PREC, ASM, OFFSET)
     if OFFSET:                                          # s_i = M * bsum + w_i * scores_i
         offset = OFFSET_MAGIC * bsum
@@ -280,18 +272,13 @@ def _value_quarter(p, acc0, acc1, acc2, acc3, zacc, pacc, vlow_ptr, vhigh_ptr, v
     vzero = tl.load(vzero_ptr + page * G + tok, mask=jmask, other=0.0).to(tl.float32)
     zacc += tl.sum(p * vzero[:, None], axis=0)
     b = (p * vscale[:, None]).to(DOT)
-    # (channel byte, token): where the plane is in whole words, the tile as stored and b in that order
-    words: tl.constexpr = in_words(G4)
-    if words:
-        b = in_order(b, 0)
-    offs = page * (D4 * G) + value_offsets(c[:, None], tok[None, :], G, D4, words)
-    mask = (c < D4)[:, None] & jmask[None, :]
-    tile = tl.load(vlow_ptr + offs, mask=mask, other=0)
-    acc0, acc1, acc2, acc3, pacc = _plane_products(tile, b, acc0, acc1, acc2, acc3, pacc, DOT, PREC, ASM, OFFSET)
+    mask = (c < D4)[:, None] & jmask[None, :]                                # (channel byte, token), layout.py
+    tile, bt = value_tile_and_operand(vlow_ptr + page * (D4 * G), c[:, None], tok[None, :], mask, b, G, D4)
+    acc0, acc1, acc2, acc3, pacc = _plane_products(tile, bt, acc0, acc1, acc2, acc3, pacc, DOT, PREC, ASM, OFFSET)
     if V_BITS == 4:
         b = (b.to(tl.float32) * 4.0).to(DOT)                                   # exact: the high bits weigh 4
-        tile = tl.load(vhigh_ptr + offs, mask=mask, other=0)
-        acc0, acc1, acc2, acc3, pacc = _plane_products(tile, b, acc0, acc1, acc2, acc3, pacc, DOT, PREC, ASM,
+        tile, bt = value_tile_and_operand(vhigh_ptr + page * (D4 * G), c[:, None], tok[None, :], mask, b, G, D4)
+        acc0, acc1, acc2, acc3, pacc = _plane_products(tile, bt, acc0, acc1, acc2, acc3, pacc, DOT, PREC, ASM,
                                                        OFFSET)
     return acc0, acc1, acc2, acc3, zacc, pacc
 

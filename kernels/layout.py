@@ -187,12 +187,31 @@ def store_key_tile(ptr, j, d, tile, mask, G4: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def key_tile_and_operand(ptr, j, d, mask, b, G4: tl.constexpr, K: tl.constexpr):
+    """For a product over the tile's columns with b (columns, ...): key_tile's tile and b, with the tile as stored
+    and b's rows put in that order where the plane is in whole words (b is the smaller one to move), else both in
+    column order."""
+    if in_words(key_chunk(K)):
+        return tl.load(ptr + key_offsets(j, d, G4, K, True), mask=mask, other=0), in_order(b, 0)
+    return tl.load(ptr + key_offsets(j, d, G4, K), mask=mask, other=0), b
+
+
+@triton.jit
 def value_tile(ptr, c, t, mask, G: tl.constexpr, D4: tl.constexpr, TOKENS: tl.constexpr):
     """The tile of channel bytes c and tokens t (broadcast against each other, tokens along dimension TOKENS) of the
     value plane at ptr, tokens in order (0 where masked)."""
     if in_words(G // 4):
         return in_order(tl.load(ptr + value_offsets(c, t, G, D4, True), mask=mask, other=0), TOKENS)
     return tl.load(ptr + value_offsets(c, t, G, D4), mask=mask, other=0)
+
+
+@triton.jit
+def value_tile_and_operand(ptr, c, t, mask, b, G: tl.constexpr, D4: tl.constexpr):
+    """For a product over the tile's tokens (dimension 1) with b (tokens, ...): value_tile's tile and b, as
+    key_tile_and_operand's."""
+    if in_words(G // 4):
+        return tl.load(ptr + value_offsets(c, t, G, D4, True), mask=mask, other=0), in_order(b, 0)
+    return tl.load(ptr + value_offsets(c, t, G, D4), mask=mask, other=0), b
 
 
 @triton.jit
