@@ -95,11 +95,10 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
     bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline, with
-    waits also its waits for pages; pad:
-    (kind, instructions a page) more, --vary pad)."""
+    waits also its waits for pages; pad: (kind, instructions a page) more, --vary pad)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
+    from kernels.decode_gluon import TIMES_ROW, _gluon_paged_kernel, kernel_arguments
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
@@ -110,7 +109,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
                      **({} if times else {"times_ptr": None}), "WAITS": waits, "PAD": pad[0] if pad else "",
                      "PAD_N": pad[1] if pad else 0}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})},
-                    {**({"times_ptr": torch.zeros(8, dtype=torch.int64)} if times else {}), "pad_zero": 0})
+                    {**({"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else {}), "pad_zero": 0})
 
 
 def compile_merge_kernel(rows: int = 32, head_dim: int = 128, parts: int = 41, arch: int = 90, pdl: bool = False):
