@@ -662,6 +662,17 @@ def _arrived(bar, phase, TMA: gl.constexpr):
 
 
 @gluon.jit
+def _waited(bar, phase, TMA: gl.constexpr, cycles, WAITS: gl.constexpr):
+    """_arrived, and cycles plus the clock cycles it took where WAITS (the kernel's measurement), else cycles."""
+    if WAITS:
+        start = _clock()
+        _arrived(bar, phase, TMA)
+        return cycles + (_clock() - start)
+    _arrived(bar, phase, TMA)
+    return cycles
+
+
+@gluon.jit
 def _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D: gl.constexpr,
                G: gl.constexpr, NB: gl.constexpr):
     """cp.async of key page `kpage`'s tiles into kbufs."""
@@ -774,6 +785,8 @@ def _gluon_paged_kernel(
     of each kind costs this kernel (_pad)."""
     if times_ptr is not None:
         started = _globaltimer()
+    key_wait = 0                                    # WAITS: cycles waited for key pages, for value pages
+    value_wait = 0
     if WAITS:
         began = _clock()
         key_wait = began - began
@@ -812,11 +825,8 @@ def _gluon_paged_kernel(
         kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
         if COPIES:
-            if WAITS:
-                waiting = _clock()
-            _arrived(kbar, phase, TMA)              # this slot's keys are in (its values may not be)
-            if WAITS:
-                key_wait += _clock() - waiting
+            # this slot's keys are in (its values may not be)
+            key_wait = _waited(kbar, phase, TMA, key_wait, WAITS)
         _BARRIER()                                  # ... for every lane (and, the first time, the queries)
         if not COMPUTE:
             pass
@@ -831,11 +841,8 @@ def _gluon_paged_kernel(
             _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
         _commit(TMA)
         if COPIES:
-            if WAITS:
-                waiting = _clock()
-            _arrived(vbar, phase, TMA)              # this slot's values are in (the next slot's keys may not be)
-            if WAITS:
-                value_wait += _clock() - waiting
+            # this slot's values are in (the next slot's keys may not be)
+            value_wait = _waited(vbar, phase, TMA, value_wait, WAITS)
         _BARRIER()
         if COMPUTE:
             m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
