@@ -216,12 +216,11 @@ def _chunk(K):
 
 
 @gluon.jit
-def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                NB: gl.constexpr):
+def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr):
     """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
     accumulator tiles. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS), taken times
-    qk_scale / Q_SCALE in the fp32 sums; q_rows / hmask_b: (1, HEADS) pointers to the query rows and the real heads,
-    for the boosted channels' gather."""
+    qk_scale / Q_SCALE in the fp32 sums; q_rows: (1, HEADS) pointers to the query rows, for the boosted channels'
+    gather (_queries)."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -229,7 +228,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     if NB > 0 and NB <= 32:
         # one chunk of boosted channels: its gathers first, so that their latency is spent on the low plane
-        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
+        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, kscale_ptr, D, NB)
     s0 = gl.zeros([G4, HEADS], gl.float32, mma)
     s1 = gl.zeros([G4, HEADS], gl.float32, mma)
     s2 = gl.zeros([G4, HEADS], gl.float32, mma)
@@ -248,7 +247,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.
         NBC: gl.constexpr = _chunk(NB)
         for c in gl.static_range(NB // NBC):
             if NB > 32:
-                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D, NBC)
+                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D, NBC)
             s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
                                             G4, NBC)
     scale = qk_scale * (1.0 / Q_SCALE)
@@ -325,7 +324,7 @@ def _i8_round(x, r, K: gl.constexpr):
 
 
 @gluon.jit
-def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
+def _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
                    NB: gl.constexpr):
     """_key_scores with the key products in 8-bit integers (see I8_QUARTER_ASM). Boosted channels: one chunk of
     32."""
@@ -348,7 +347,7 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_ptr, D: 
         amax = gl.maximum(amax, gl.max(gl.abs(b), axis=0))
         bs = bs + (b,)
     if NB > 0:
-        b_nb = _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D, NB)
+        b_nb = _boosted_fp16(ch_s, kpage, q_rows, kscale_ptr, D, NB)
         amax = gl.maximum(amax, gl.max(gl.abs(b_nb), axis=0))
     # IEEE division (not the approximate one of `/`), so that kernels/i8_reference.py can round the same integers
     r = gl.div_rn(gl.full([HEADS], 127.0, gl.float32, amax.type.layout), amax.to(gl.float32)).to(DOT)
@@ -397,24 +396,24 @@ def _i8_accumulate(acc, alpha, s, k):
 
 
 @gluon.jit
-def _boosted_fp16(ch_s, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NB: gl.constexpr):
+def _boosted_fp16(ch_s, kpage, q_rows, kscale_ptr, D: gl.constexpr, NB: gl.constexpr):
     """The boosted channels' second operand before its layout: 4 * Q_SCALE * q_ch * scale_ch (NB, HEADS), fp16 in
     _cols_layout(NB)."""
     lay: gl.constexpr = _cols_layout(NB)
     ch = ch_s.load(gl.SliceLayout(1, lay)).to(gl.int32)
     ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
-    q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None], mask=gl.convert_layout(hmask_b, lay), other=0.0)
+    q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None])
     return (q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT)
 
 
 @gluon.jit
-def _boosted_operand(ch_s, c, kpage, q_rows, hmask_b, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
+def _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
     """The second operand of boosted-channel chunk c: 4 * Q_SCALE * q_ch * scale_ch (NBC, HEADS), gathered from the
     query rows and the page's scales in global memory (L1 / L2)."""
     lay: gl.constexpr = _cols_layout(NBC)
     ch = ch_s.slice(c * NBC, NBC).load(gl.SliceLayout(1, lay)).to(gl.int32)
     ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
-    q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None], mask=gl.convert_layout(hmask_b, lay), other=0.0)
+    q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None])
     return _b_operand((q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT), NBC)
 
 
@@ -742,16 +741,17 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
 def _queries(q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, lay: gl.constexpr,
              shared: gl.constexpr):
     """The group's queries times Q_SCALE in fp16, chunk by chunk into shared memory (D / KC, KC, HEADS) written
-    from registers in `lay`; heads past the group are zero. Returns (1, HEADS) pointers to the query rows and the
-    real heads (in `lay`) and the shared memory."""
-    heads_q = gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay))
+    from registers in `lay`. Returns (1, HEADS) pointers to the query rows (in `lay`) and the shared memory. The tile
+    columns past the group (a group of 4 fills 4 of 8) take its last head's row: every column's sums are its own
+    (no reduction crosses heads) and only the group's are stored, so their loads need no mask. Zeroed, the boosted
+    channels' gathers cost 8 byte permutes a kitty-pro page more (the masked loads' defaults) and 6 registers."""
+    heads_q = gl.minimum(gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay)), GROUP - 1)
     q_rows = q_ptr + ((b * H + h) * GROUP + heads_q[None, :]).to(gl.int64) * D
-    hmask_b = heads_q[None, :] < GROUP
     q_s = gl.allocate_shared_memory(DOT, [D // KC, KC, HEADS], shared)
     d = gl.arange(0, KC, layout=gl.SliceLayout(1, lay))
     for c in gl.static_range(D // KC):
-        q_s.index(c).store((gl.load(q_rows + c * KC + d[:, None], mask=hmask_b, other=0.0) * Q_SCALE).to(DOT))
-    return q_rows, hmask_b, q_s
+        q_s.index(c).store((gl.load(q_rows + c * KC + d[:, None]) * Q_SCALE).to(DOT))
+    return q_rows, q_s
 
 
 # int64 a program in the kernel's times_ptr: start, end, multiprocessor, key and value waits, cycles (and 2 unused)
@@ -806,7 +806,7 @@ def _gluon_paged_kernel(
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
         kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA)
-    q_rows, hmask_b, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
+    q_rows, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
 
     mma: gl.constexpr = _mma()
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
@@ -831,9 +831,9 @@ def _gluon_paged_kernel(
         if not COMPUTE:
             pass
         elif I8 > 0:
-            s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+            s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB)
         else:
-            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, hmask_b, qk_scale, kscale_rows, D, G, NB)
+            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB)
             if PAD_N > 0:
                 s0 = _pad(s0, pad_zero, PAD, PAD_N)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer

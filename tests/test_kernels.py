@@ -554,8 +554,10 @@ def test_the_kernels_halves_keep_its_copies_or_its_products():
 
 def test_the_kernels_timeline_reads_the_clock_outside_its_loop():
     """Without a GPU: with times_ptr (bench tune --vary timeline) the paged kernel reads %globaltimer when a program
-    starts and ends and %smid once, and its page loop is the same instructions as without; with WAITS it also
-    reads %clock64 at its start and end and around each of a page's two waits (one for keys, one for values)."""
+    starts and ends and %smid once, and its page loop is the same instructions as without, within two that the
+    compiler moves across the loop's edge (an IMAD, a UMOV: the start time is held through the loop; triton 3.6
+    and 3.7.1); with WAITS it also reads %clock64 at its start and end and around each of a page's two waits
+    (one for keys, one for values)."""
     code = textwrap.dedent("""
         import torch
         from kernels.sass_profile import compile_gluon_kernel, profile
@@ -570,7 +572,8 @@ def test_the_kernels_timeline_reads_the_clock_outside_its_loop():
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
     without, with_times, with_waits = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
-    assert without[1:] == [0, 0, 0] and with_times[1:] == [2, 1, 0] and with_times[0] == without[0], run.stdout
+    assert without[1:] == [0, 0, 0] and with_times[1:] == [2, 1, 0]
+    assert abs(with_times[0] - without[0]) <= 2, run.stdout
     assert with_waits[1:] == [2, 1, 6] and with_waits[0] > without[0], run.stdout
 
 
@@ -605,24 +608,25 @@ def test_tma_destinations_are_aligned_in_shared_memory():
 def test_padded_kernels_add_the_instructions_they_say():
     """Without a GPU: the measurement of what one more instruction costs (decode_gluon's PAD, bench tune --vary
     pad) adds to the page loop the LOP3, FFMA or HMMA instructions it is asked for, and few others. And the page
-    layout (layout.SWAP) leaves the second operands without byte permutes: 16 PRMT a kitty-pro page, those of the
-    boosted channels' gathered queries (48 when the second operands' rows were swapped in registers)."""
+    layout (layout.SWAP) leaves the second operands without byte permutes: 8 PRMT a kitty-pro page, the bytes of
+    the boosted channels' list that their gathers address (48 when the second operands' rows were swapped in
+    registers, 16 while the gathers of the padding heads' queries were masked loads: decode_gluon._queries)."""
     code = textwrap.dedent("""
         import torch
         from kernels.sass_profile import compile_gluon_kernel, profile
         for pad in (None, ("alu", 64), ("fma", 64), ("mma", 8)):
             row = profile(compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, pad=pad))
-            print(row["loop instructions"], row["loop integer"], row["loop float"], row["loop matrix"],
+            print(row["loop instructions"], row["loop opcodes"]["LOP3"], row["loop float"], row["loop matrix"],
                   row["loop opcodes"].get("PRMT", 0))
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
     plain, alu, fma, mma = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
-    assert 64 <= alu[1] - plain[1] <= 68 and alu[0] - plain[0] <= 68, run.stdout
+    assert alu[1] - plain[1] == 64 and alu[0] - plain[0] <= 68, run.stdout
     assert 64 <= fma[2] - plain[2] <= 76 and fma[0] - plain[0] <= 80, run.stdout
     assert mma[3] - plain[3] == 8 and mma[0] - plain[0] <= 32, run.stdout
-    assert plain[4] <= 16, run.stdout
+    assert plain[4] <= 8, run.stdout
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
