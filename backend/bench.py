@@ -97,7 +97,11 @@ def median_seconds(fn, quick: bool) -> float:
 
 def kernel_us(fn, calls: int = 20) -> dict[str, float]:
     """Mean device time of each GPU kernel fn launches, per call of fn (torch.profiler's CUDA activity): beside
-    median_seconds' total, it says how much of a call is each kernel and how much is the gaps between them."""
+    median_seconds' total, it says how much of a call is each kernel and how much is the gaps between them.
+    Comparisons use median_seconds, never these: they are eager launches timed by CUPTI, and on the H200 they read
+    a long launch up to 7 % slower than its own graph replays (the paged launch alone at batch 64 / 32K: 410.4
+    against 385.3 µs, BENCHMARKS.md section 1, session 29; why was not measured). Graph replays are also how
+    generate runs a Kitty cache's decode steps (backend.graphs)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -357,7 +361,8 @@ def bench_tune(args) -> dict:
                       # alone, and its arithmetic alone): how long the multiprocessors hold fewer programs than they
                       # can (ncu: about 10 of 12 warps active on average at batch 64 / 32K, session 24)
                       # and (the page loop then reads the clock around its waits) how long its programs waited for
-                      # their key pages and their value pages
+                      # their key pages and their value pages; and whether 8 launches in a row, eager and in one CUDA
+                      # graph, overlap or leave gaps (back_to_back)
                       "timeline": [{**gluon(cap), "loads": half, "timeline": t} for half, t in (
                           ("whole", True), ("arithmetic", True), ("whole", "waits"))],
                       # what one more instruction of each kind costs the default kernel's paged launch: 64 and 128
@@ -394,11 +399,16 @@ def bench_tune(args) -> dict:
                 if times is not None:
                     rows[-1]["programs"] = timeline(times.cpu())
                     print("    timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["programs"].items()))
+                    rows[-1]["launches"] = back_to_back(lambda t: paged_half(
+                        q, kv, setting["splits"], setting["maxnreg"], setting["loads"], t, setting["pad"],
+                        setting["timeline"] == "waits"), times.shape[0], device)
+                    for mode, summary in rows[-1]["launches"].items():
+                        print(f"    8 launches, {mode}:", ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
                 print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}"
                                                             for k, v in setting.items())
                       + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
                       f"{rows[-1]['gbs']:7.0f} GB/s (pages {rows[-1]['paged_gbs']:5.0f})"
-                      + "".join(f" | {name[:24]} {us:.1f}" for name, us in kernels.items())
+                      + "".join(f" | {name[:24]} {us:.1f} (profiler)" for name, us in kernels.items())
                       + "".join(f" | {name} {value:#x}" if name == "clock_reasons" else f" | {name} {value:.0f}"
                                 for name, value in clocks.items()), flush=True)
             del layer, kv, k, v
@@ -519,6 +529,43 @@ def timeline(times: torch.Tensor) -> dict:
             **({"key_wait_pct": 100 * times[:, 3].sum().item() / times[:, 5].sum().item(),
                 "value_wait_pct": 100 * times[:, 4].sum().item() / times[:, 5].sum().item()}
                if times.shape[1] > 5 and times[:, 5].sum() > 0 else {})}
+
+
+def back_to_back(make_run, rows: int, device: str, launches: int = 8) -> dict:
+    """One launch `launches` times in a row, eagerly and captured in one CUDA graph (as median_seconds times it),
+    each writing its programs' times to a buffer of its own (make_run(times) -> the launch; rows: its programs):
+    sequence() of both. Whether a graph replay's time per launch is a launch's own time: in session 29 the paged
+    launch took 385.3 µs a launch in graph replays, while one eager launch's programs spanned 408.8 µs."""
+    if device != "cuda":
+        return {}
+    from kernels.decode_gluon import TIMES_ROW
+    result = {}
+    for mode in ("eager", "graph"):
+        buffers = [torch.zeros(rows, TIMES_ROW.value, dtype=torch.int64, device=device) for _ in range(launches)]
+        runs = [make_run(times) for times in buffers]
+        if mode == "eager":
+            for run in runs:
+                run()
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for run in runs:
+                    run()
+            graph.replay()
+        torch.cuda.synchronize()
+        result[mode] = sequence([times.cpu() for times in buffers])
+    return result
+
+
+def sequence(launches: list[torch.Tensor]) -> dict:
+    """Launches in a row from their programs' (start ns, end ns, ...) rows: each launch's span (its first start to
+    its last end) and the gap from each launch's last end to the next one's first start (negative where the next
+    began before this one ended), in µs: shortest, median and longest of each."""
+    starts = torch.stack([t[:, 0].min() for t in launches]).double() / 1e3
+    ends = torch.stack([t[:, 1].max() for t in launches]).double() / 1e3
+    spans, gaps = ends - starts, starts[1:] - ends[:-1]
+    return {f"{name}_{stat}_us": float(getattr(x, stat)()) for name, x in (("span", spans), ("gap", gaps))
+            for stat in ("min", "median", "max")}
 
 
 def paged_bytes(kv) -> int:

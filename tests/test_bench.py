@@ -424,6 +424,19 @@ def test_timeline_says_how_many_programs_a_multiprocessor_ran_at_once():
     assert summary["key_wait_pct"] == 100 * 40 / 400 and summary["value_wait_pct"] == 100 * 60 / 400
 
 
+def test_launches_in_a_row_give_their_spans_and_gaps():
+    """bench tune --vary timeline's launches in a row (back_to_back): each launch's span and the gaps between
+    launches, negative where one began before the last ended; nothing to run on a CPU."""
+    from backend.bench import back_to_back, sequence
+    first = torch.tensor([[0, 3000, 0], [1000, 4000, 1]])
+    second = torch.tensor([[3500, 6000, 0], [3800, 6500, 1]])         # starts 0.5 us before the first ends
+    third = torch.tensor([[7000, 9000, 0], [7000, 9500, 1]])
+    summary = sequence([first, second, third])
+    assert (summary["span_min_us"], summary["span_median_us"], summary["span_max_us"]) == (2.5, 3.0, 4.0)
+    assert (summary["gap_min_us"], summary["gap_max_us"]) == (-0.5, 0.5)
+    assert back_to_back(lambda times: None, 2, "cpu") == {}
+
+
 def test_clock_samples_become_their_medians():
     """bench tune's clock and power per setting (gpu_clocks): the medians of nvidia-smi's samples and their most
     frequent clock event reasons, skipping the samples it could not read; nothing without a sample (on a CPU the

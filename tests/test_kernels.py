@@ -648,6 +648,21 @@ def test_padded_kernels_compute_the_same_partials():
             torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
 
 
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the TMA kernel runs on Hopper GPUs only")
+def test_launches_in_a_row_are_timed_eager_and_in_a_graph():
+    """On the H200: bench tune's back_to_back runs the paged launch 8 times eagerly and in one CUDA graph, and every
+    launch writes its programs' times to its own buffer (each span positive, under a second)."""
+    from backend.bench import back_to_back, paged_half
+    kv, _, _ = random_paged_kv([4100, 900], heads=2, head_dim=128, sink=32, page_size=128, window=128, n_boost=32,
+                               dtype=torch.bfloat16, seed=6, device=DEVICE)
+    q = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
+    result = back_to_back(lambda times: paged_half(q, kv, 3, 168, "whole", times), 2 * 2 * 3, DEVICE)
+    assert set(result) == {"eager", "graph"}
+    for summary in result.values():
+        assert 0 < summary["span_min_us"] <= summary["span_max_us"] < 1e6, result
+
+
 def test_pdl_compiles_into_the_kernels_for_hopper():
     """decode_attention(pdl=True): either paged kernel lets the remaining blocks' kernel launch at once
     (griddepcontrol.launch_dependents), which lets the merge launch at once and waits for the paged grid before it
