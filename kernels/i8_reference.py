@@ -21,6 +21,7 @@ from .dequantize import key_codes_ref, value_codes_ref
 from .layout import PagedKV
 
 Q_SCALE = 1.0 / 16              # decode_gluon.Q_SCALE
+AMAX_FLOOR = 2.0 ** -9          # decode_gluon.I8_AMAX_FLOOR: 127 / AMAX_FLOOR = 65,024, finite in fp16
 # decode_attention's 8-bit kernels -> whether they round the value products too (decode_gluon.I8_PRODUCTS == 2). A
 # cache that decodes with one of them and runs no Triton (a CPU) decodes with this module's arithmetic instead of the
 # exact reference, at any shape, so that what the 8-bit products cost a real model can be measured without a GPU
@@ -60,7 +61,7 @@ def _page_scores(qb: torch.Tensor, kv: PagedKV, pages: torch.Tensor, scale: floa
         qb_ch = torch.gather(qb.expand(len(pages), -1, -1, -1), 3, ch.expand(-1, -1, qb.shape[1], -1))
         boost = (qb_ch * (4.0 * Q_SCALE) * torch.gather(k_scale, 3, ch)).half().float()  # (n, H, group, NB)
         amax = torch.maximum(amax, boost.abs().amax(-1))
-    r = (127.0 / amax.clamp(min=2.0 ** -10)).half().float()[..., None]              # (n, H, group, 1)
+    r = (127.0 / amax.clamp(min=AMAX_FLOOR)).half().float()[..., None]              # (n, H, group, 1)
     sums = torch.round(qs * r) @ low.transpose(-1, -2)
     if kv.n_boost:
         high = torch.gather(code, 3, ch.expand(-1, -1, code.shape[2], -1)).div(4, rounding_mode="floor")

@@ -366,7 +366,9 @@ def check_i8_kernel(q, kv, kernel, ref, tol):
     from kernels.i8_reference import decode_attention_i8_ref
     d = q.shape[-1]
     heads = 2.0 ** torch.linspace(-2, 2, q.shape[1], device=q.device)
-    for queries in (q, (q.float() * heads[None, :, None]).to(q.dtype)):
+    zeroed = q.clone()
+    zeroed[0, 1] = 0.0                      # operands all under I8_AMAX_FLOOR: an fp16 scale of 65,024, not inf
+    for queries in (q, (q.float() * heads[None, :, None]).to(q.dtype), zeroed):
         expected = decode_attention_i8_ref(queries, kv, d ** -0.5, values=decode_gluon.I8_PRODUCTS[kernel] == 2)
         exact = ref if queries is q else decode_attention_ref(queries, kv, d ** -0.5)
         one = decode_attention(queries, kv, d ** -0.5, num_splits=1, kernel=kernel)
@@ -376,6 +378,24 @@ def check_i8_kernel(q, kv, kernel, ref, tol):
         assert torch.isfinite(out).all()
         assert rel_err(out, exact) < rel_err(expected, exact) * 1.25 + tol, \
             f"{rel_err(out, exact):.2e} from the reference, its arithmetic {rel_err(expected, exact):.2e}"
+
+
+def test_i8_reference_takes_queries_of_zeros():
+    """kernels/i8_reference.py on the CPU: a head whose queries times key scales all stay under 2^-9 (zeros, or a
+    normal query times 1e-4) rounds them against 127 / 2^-9 = 65,024, which fp16 holds: its output is finite and
+    about the exact one. (Against the floor of 2^-10 that scale was inf in fp16, and a query of zeros gave NaN.)"""
+    from kernels.i8_reference import decode_attention_i8_ref
+    kv, _, _ = random_paged_kv([600, 300], heads=2, head_dim=64, sink=32, page_size=128, window=128, n_boost=32,
+                               dtype=torch.float32, seed=4)
+    q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(5))
+    q[0, 1] = 0.0
+    q[1, 4] *= 1e-4
+    ref = decode_attention_ref(q, kv, 64 ** -0.5)
+    for values in (False, True):
+        out = decode_attention_i8_ref(q, kv, 64 ** -0.5, values=values)
+        assert torch.isfinite(out).all(), values
+        for b, head in ((0, 1), (1, 4)):
+            assert rel_err(out[b, head], ref[b, head]) < 0.02, (values, b, head, rel_err(out[b, head], ref[b, head]))
 
 
 def test_i8_reference_rounds_the_operands_it_says():
