@@ -98,10 +98,10 @@ def median_seconds(fn, quick: bool) -> float:
 def kernel_us(fn, calls: int = 20) -> dict[str, float]:
     """Mean device time of each GPU kernel fn launches, per call of fn (torch.profiler's CUDA activity): beside
     median_seconds' total, it says how much of a call is each kernel and how much is the gaps between them.
-    Comparisons use median_seconds, never these: they are eager launches timed by CUPTI, and on the H200 they read
-    a long launch up to 7 % slower than its own graph replays (the paged launch alone at batch 64 / 32K: 410.4
-    against 385.3 µs, BENCHMARKS.md section 1, session 29; why was not measured). Graph replays are also how
-    generate runs a Kitty cache's decode steps (backend.graphs)."""
+    Comparisons use median_seconds, never these: they are eager launches timed by CUPTI, and in the one H200 run
+    that compared them they read the paged launch alone at batch 64 / 32K 6.5 % slower than its graph replays
+    (410.4 against 385.3 µs; BENCHMARKS.md section 1, session 30, item 2; why is not yet measured). Graph replays
+    are also how generate runs a Kitty cache's decode steps (backend.graphs)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -271,7 +271,9 @@ I8_QUARTER_ASM = gl.constexpr(("and.b32 $0, $1, 0x03030303;", "and.b32 $0, $1, 0
                                "lop3.b32 $0, $1, 0x40404040, 0xc0c0c0c0, 0x28;"))      # (a ^ b) & c
 I8_QUARTER_WEIGHT = gl.constexpr((1.0, 1.0 / 4, 1.0 / 16, -1.0 / 64))
 I8_MINUS64 = gl.constexpr(-64)
-# The smallest largest magnitude a head's operands are rounded against (kernels/i8_reference.py uses the same)
+# The floor of a head's largest operand magnitude, which its operands are rounded against: 127 / 2^-9 = 65,024 is
+# finite in fp16 (a floor of 2^-10 made that scale inf, and a head of zero queries NaN). kernels/i8_reference.py
+# uses the same
 I8_AMAX_FLOOR = gl.constexpr(2.0 ** -9)
 # The s32 sums start at the bit pattern of the float 1.5 * 2^23, where consecutive floats are consecutive integers:
 # a sum x (|x| < 2^22; a page's is below 2^20) leaves the float 1.5 * 2^23 + x, read with no conversion.
@@ -340,7 +342,6 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.conste
     zq = gl.zeros([16, HEADS], gl.float32, mma)
     ones = gl.full([16, KC], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
     # the fp16 operands and their largest magnitude per head
-    # floor: 127 / 2^-9 = 65,024 is finite in fp16 (the floor of 2^-10 made it inf, and a query of zeros NaN)
     amax = gl.full([HEADS], I8_AMAX_FLOOR, DOT, gl.SliceLayout(0, cols))
     bs = ()
     for c in gl.static_range(D // KC):

@@ -592,7 +592,7 @@ def test_the_kernels_timeline_reads_the_clock_outside_its_loop():
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
     without, with_times, with_waits = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
-    assert without[1:] == [0, 0, 0] and with_times[1:] == [2, 1, 0]
+    assert without[1:] == [0, 0, 0] and with_times[1:] == [2, 1, 0], run.stdout
     assert abs(with_times[0] - without[0]) <= 2, run.stdout
     assert with_waits[1:] == [2, 1, 6] and with_waits[0] > without[0], run.stdout
 
