@@ -266,7 +266,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "timeline", "pad")
+               "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "bytes", "timeline", "pad")
 
 
 def bench_tune(args) -> dict:
@@ -357,6 +357,11 @@ def bench_tune(args) -> dict:
                       # whether more warps would hide its latencies)
                       "loads": [gluon(cap)] + [{**gluon(r), "loads": half} for half in ("copies", "arithmetic")
                                                for r in (GLUON_MAXNREG, 128)],
+                      # quarter 3's products by whole bytes (decode_gluon's BYTES: one integer-pipe instruction fewer
+                      # a word of 16 codes, or two and an IMAD) against the default kernel, each whole, its paged
+                      # launch alone and its arithmetic alone
+                      "bytes": [{**gluon(cap, kernel=k), "loads": half} for half in (None, "whole", "arithmetic")
+                                for k in ("gluon-tma", "gluon-tma-bytes", "gluon-tma-bytes-mad")],
                       # when each program of the default kernel's paged launch starts and ends, and where (the launch
                       # alone, and its arithmetic alone): how long the multiprocessors hold fewer programs than they
                       # can (ncu: about 10 of 12 warps active on average at batch 64 / 32K, session 24)
@@ -386,7 +391,7 @@ def bench_tune(args) -> dict:
                                         device=device)
                 if setting["loads"]:
                     run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
-                                     setting["pad"], setting["timeline"] == "waits")
+                                     setting["pad"], setting["timeline"] == "waits", setting["kernel"])
                 # each setting's launches in an NVTX range, so that Nsight Compute can profile one of them
                 # (backend.kernel_profile --command tune --nvtx-range NAME)
                 with nvtx_range(tune_range(setting), device):
@@ -401,7 +406,7 @@ def bench_tune(args) -> dict:
                     print("    timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["programs"].items()))
                     rows[-1]["launches"] = back_to_back(lambda t: paged_half(
                         q, kv, setting["splits"], setting["maxnreg"], setting["loads"], t, setting["pad"],
-                        setting["timeline"] == "waits"), times.shape[0], device)
+                        setting["timeline"] == "waits", setting["kernel"]), times.shape[0], device)
                     for mode, summary in rows[-1]["launches"].items():
                         print(f"    8 launches, {mode}:", ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
                 print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}"
@@ -493,21 +498,24 @@ def nvtx_range(name: str, device: str):
 
 
 def paged_half(q: torch.Tensor, kv, splits: int, maxnreg: int, half: str, times: torch.Tensor | None = None,
-               pad: tuple[str, int] | None = None, waits: bool = False):
-    """A call of the default Gluon kernel's paged launch (TMA) that only copies its pages and waits for them (half
-    "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or only computes, over its first
-    slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take), or does both
-    ("whole": the paged launch alone, without the remaining blocks and the merge); times: each program's start,
-    end and multiprocessor, with waits also its cycles waiting for pages (decode_gluon's WAITS); pad:
+               pad: tuple[str, int] | None = None, waits: bool = False, kernel: str = "gluon-tma"):
+    """A call of a Gluon kernel's paged launch (`kernel`, one with TMA copies) that only copies its pages and waits
+    for them (half "copies", decode_gluon's COMPUTE=False: what the memory pipeline alone takes) or only computes,
+    over its first slot's pages again and again ("arithmetic", COPIES=False: what the instructions alone take), or
+    does both ("whole": the paged launch alone, without the remaining blocks and the merge); times: each program's
+    start, end and multiprocessor, with waits also its cycles waiting for pages (decode_gluon's WAITS); pad:
     decode_gluon.launch's (instructions added that change nothing)."""
     from kernels import decode_gluon
     b, hq, d = q.shape
     parts = (torch.empty(b, hq, splits, d, device=q.device), torch.empty(b, hq, splits, device=q.device),
              torch.empty(b, hq, splits, device=q.device))
     descriptors = decode_gluon.tma_descriptors(kv, d)
-    return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, True, descriptors,
+    options = decode_gluon.kernel_options(kernel)
+    if not options["use_tma"]:
+        raise ValueError(f"paged_half takes a TMA kernel, not {kernel!r}")
+    return lambda: decode_gluon.launch(q, kv, 1.0, parts, splits, maxnreg, descriptors=descriptors,
                                        compute=half != "copies", copies=half != "arithmetic", times=times,
-                                       waits=waits, pad=pad)
+                                       waits=waits, pad=pad, **options)
 
 
 def timeline(times: torch.Tensor) -> dict:

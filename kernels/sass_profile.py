@@ -90,7 +90,8 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
-                         pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
+                         pdl: bool = False, i8: int = 0, whole_bytes: str = "", compute: bool = True,
+                         copies: bool = True,
                          times: bool = False, waits: bool = False, pad: tuple[str, int] | None = None):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
@@ -103,7 +104,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8, whole_bytes=whole_bytes)
     return _compile(GluonASTSource, _gluon_paged_kernel, args,
                     {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies,
                      **({} if times else {"times_ptr": None}), "WAITS": waits, "PAD": pad[0] if pad else "",
@@ -193,6 +194,7 @@ def _loop_bodies(lines: list[str]) -> list[list[str]]:
 
 
 def main(argv=None) -> int:
+    from kernels.decode_attention import GLUON_KERNELS
     parser = argparse.ArgumentParser(prog="python -m kernels.sass_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", nargs="*", default=["kitty-pro", "kitty", "kivi-k2v2"])
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -203,8 +205,8 @@ def main(argv=None) -> int:
                              "Gluon kernel's programs are one warp)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
     parser.add_argument("--kernel", default="triton",
-                        choices=["triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "rest"],
-                        help="decode_attention's kernel over the paged blocks (gluon, gluon-tma: "
+                        choices=["triton", *GLUON_KERNELS, "rest"],
+                        help="decode_attention's kernel over the paged blocks (gluon*: "
                              "kernels/decode_gluon.py), or the one over the remaining blocks (rest: "
                              "kernels/decode_rest.py, with a loop over blocks only where --rest-blocks > 1)")
     parser.add_argument("--rest-blocks", type=int, default=1,
@@ -226,12 +228,13 @@ def main(argv=None) -> int:
     for method in args.method:
         if args.kernel.startswith("gluon"):
             from backend.methods import method_config
-            from kernels.decode_gluon import I8_PRODUCTS
-            if I8_PRODUCTS[args.kernel] and method_config(method).boosted_channels(128) not in (0, 32):
+            from kernels.decode_gluon import kernel_options
+            options = kernel_options(args.kernel)
+            if options["i8"] and method_config(method).boosted_channels(128) not in (0, 32):
                 print(f"{method:>10}: {args.kernel} declines its boosted channels (decode_gluon.supports_kernel)")
                 continue
             compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
-                                            use_tma=args.kernel != "gluon", i8=I8_PRODUCTS[args.kernel])
+                                            **options)
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                            blocks_per_program=args.rest_blocks)

@@ -352,6 +352,10 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
         assert rel_err(out, ref) <= max(1.25 * rel_err(triton_out, ref), tol / 4), \
             f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
+        if kernel in decode_gluon.WHOLE_BYTES:
+            # the same numbers as the kernel it changes but for fp32 rounding: outputs a rounding apart, rarely
+            plain = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon-tma", maxnreg=maxnreg)
+            assert rel_err(out, plain) < tol / 20, f"splits={splits}: {rel_err(out, plain):.2e} from gluon-tma"
 
 
 def check_i8_kernel(q, kv, kernel, ref, tol):
@@ -544,6 +548,100 @@ def test_i8_kernels_compile_for_hopper_with_integer_products():
     assert rows["i8k"][:2] == rows["i8k-128"][:2] == [keys, 4 * 16 + ones], run.stdout
     assert rows["i8"][:2] == [keys + values, ones], run.stdout
     assert all(spills == 0 for _, _, spills in rows.values()), run.stdout
+
+
+def run_ptx(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
+    """The few 32-bit PTX instructions of decode_gluon's unpacking strings (and, shr, mov, prmt, mad.lo), run on
+    uint32 arrays: $0 .. $(outputs - 1) are the results, the inputs follow."""
+    regs = {f"${outputs + i}": x.astype(np.uint64) for i, x in enumerate(inputs)}
+
+    def value(operand):
+        return regs[operand] if operand.startswith("$") else np.uint64(int(operand, 0) & 0xFFFFFFFF)
+
+    for instruction in filter(None, (part.strip() for part in asm.split(";"))):
+        op, operands = instruction.split(None, 1)
+        dest, *args = [a.strip() for a in operands.split(",")]
+        a = [value(x) for x in args]
+        if op == "and.b32":
+            result = a[0] & a[1]
+        elif op == "shr.b32":
+            result = a[0] >> a[1]
+        elif op == "mov.b32":
+            result = a[0] + np.uint64(0)
+        elif op == "mad.lo.u32":
+            result = (a[0] * a[1] + a[2]) & np.uint64(0xFFFFFFFF)
+        elif op == "prmt.b32":               # default mode: byte i of the result is byte (selector nibble i) of {b, a}
+            pool = a[0] | (a[1] << np.uint64(32))
+            result = np.zeros_like(pool)
+            for i in range(4):
+                nibble = (int(a[2]) >> 4 * i) & 0xF
+                byte = (pool >> np.uint64(8 * (nibble & 7))) & np.uint64(0xFF)
+                if nibble & 8:                  # the byte's sign bit replicated
+                    byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                result |= byte << np.uint64(8 * i)
+        else:
+            raise AssertionError(f"no emulation of {op}")
+        regs[dest] = result & np.uint64(0xFFFFFFFF)
+    return [regs[f"${i}"].astype(np.uint32) for i in range(outputs)]
+
+
+def test_unpacking_strings_make_the_operands_they_say():
+    """On the CPU, the Gluon kernel's unpacking strings (decode_gluon's SPREAD, QUARTER_ASM and, for the
+    "gluon-tma-bytes" kernels, SPREAD_BYTES and WHOLE_BYTES_ASM) run on random code words by a small emulation of
+    their PTX: each quarter's fp16 operands are code * 4^i * 2^-24 (subnormal: no exponent bit set), bytes 0 and 2
+    in the first register, 1 and 3 in the second (the pairing layout.SWAP stores for); the whole bytes' operands
+    are byte * 2^-24, the sum of the 4 quarters', by either way of making them."""
+    from kernels import decode_gluon
+    words = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)
+    fields = (words[:, None] >> (8 * np.arange(4)).astype(np.uint32)) & 0xFF            # (word, byte)
+
+    def operands(registers):
+        """Two registers of fp16 pairs -> their elements as bytes 0, 1, 2, 3 of the word, in float64."""
+        first, second = (r.view(np.float16).reshape(-1, 2).astype(np.float64) for r in registers)
+        assert (np.concatenate(registers).view(np.uint16) & 0x7C00 == 0).all(), "an exponent bit set"
+        return np.stack([first[:, 0], second[:, 0], first[:, 1], second[:, 1]], axis=1)
+
+    for spread in (decode_gluon.SPREAD.value, decode_gluon.SPREAD_BYTES.value):
+        t, u = run_ptx(spread, [words], 2)
+        for i, asm in enumerate(decode_gluon.QUARTER_ASM.value):
+            expected = ((fields >> (2 * i)) & 3) * 4.0 ** i * 2.0 ** -24
+            assert np.array_equal(operands(run_ptx(asm, [t, u], 2)), expected), (spread, i)
+    t, u = run_ptx(decode_gluon.SPREAD_BYTES.value, [words], 2)
+    for name, asm in decode_gluon.WHOLE_BYTES_ASM.value:
+        assert np.array_equal(operands(run_ptx(asm, [t, u], 2)), fields * 2.0 ** -24), name
+    assert set(decode_gluon.WHOLE_BYTES.values()) == {name for name, _ in decode_gluon.WHOLE_BYTES_ASM.value}
+
+
+def test_whole_bytes_take_integer_instructions_off_the_page():
+    """Without a GPU: decode_attention(kernel="gluon-tma-bytes") (decode_gluon's BYTES "and") unpacks a word of 16
+    codes in 8 integer-pipe instructions instead of 9: its page loop has no shift, one byte permute a word instead,
+    and one AND a word fewer (72 words a kitty-pro page a thread: 4,096 + 1,024 + 4,096 bytes; 64 a kivi-k2v2
+    page). "gluon-tma-bytes-mad" ("mad") has another AND a word fewer and an IMAD a word more. Both: the same matrix
+    products, no spills at the default cap, and for the keys' quarter 3 three subtractions a score element (24 a
+    page) and nothing else on the float pipes."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.decode_gluon import kernel_options
+        from kernels.sass_profile import compile_gluon_kernel, profile
+        for method in ("kitty-pro", "kivi-k2v2"):
+            for kernel in ("gluon-tma", "gluon-tma-bytes", "gluon-tma-bytes-mad"):
+                row = profile(compile_gluon_kernel(method, torch.bfloat16, 4, maxnreg=168, **kernel_options(kernel)))
+                ops = row["loop opcodes"]
+                print(method, kernel, ops["LOP3"], ops.get("SHF", 0), ops.get("PRMT", 0), ops.get("IMAD", 0),
+                      row["loop matrix"], row["loop float"], row["loop local ld/st"])
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {tuple(line.split()[:2]): [int(x) for x in line.split()[2:]] for line in run.stdout.splitlines()}
+    for method, words in (("kitty-pro", 72), ("kivi-k2v2", 64)):
+        lop3, shf, prmt, imad, matrix, floats, spills = rows[method, "gluon-tma"]
+        for kernel, ands, imads in (("gluon-tma-bytes", 1, 0), ("gluon-tma-bytes-mad", 2, 1)):
+            b_lop3, b_shf, b_prmt, b_imad, b_matrix, b_floats, b_spills = rows[method, kernel]
+            assert shf == words and b_shf == 0 and b_prmt - prmt == words, run.stdout
+            # (the compiler may share an IMAD or two with the addressing)
+            assert lop3 - b_lop3 == ands * words and imads * (words - 2) <= b_imad - imad <= imads * words, run.stdout
+            assert b_matrix == matrix and b_floats - floats == 24 and spills == b_spills == 0, run.stdout
 
 
 def test_the_kernels_halves_keep_its_copies_or_its_products():
