@@ -440,8 +440,9 @@ def _i8_accumulate(acc, alpha, s, k):
 
 @gluon.jit
 def _boosted_fp16(ch_s, kpage, q_rows, kscale_ptr, D: gl.constexpr, NB: gl.constexpr):
-    """The boosted channels' second operand before its layout: 4 * Q_SCALE * q_ch * scale_ch (NB, HEADS), fp16 in
-    _cols_layout(NB)."""
+    """The second operand of the NB boosted channels listed in ch_s before its layout: 4 * Q_SCALE * q_ch * scale_ch
+    (NB, HEADS), fp16 in _cols_layout(NB), gathered from the query rows and the page's scales in global memory
+    (L1 / L2)."""
     lay: gl.constexpr = _cols_layout(NB)
     ch = ch_s.load(gl.SliceLayout(1, lay)).to(gl.int32)
     ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
@@ -451,13 +452,8 @@ def _boosted_fp16(ch_s, kpage, q_rows, kscale_ptr, D: gl.constexpr, NB: gl.const
 
 @gluon.jit
 def _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
-    """The second operand of boosted-channel chunk c: 4 * Q_SCALE * q_ch * scale_ch (NBC, HEADS), gathered from the
-    query rows and the page's scales in global memory (L1 / L2)."""
-    lay: gl.constexpr = _cols_layout(NBC)
-    ch = ch_s.slice(c * NBC, NBC).load(gl.SliceLayout(1, lay)).to(gl.int32)
-    ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
-    q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None])
-    return _b_operand((q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT), NBC)
+    """The second operand of boosted-channel chunk c (_boosted_fp16 of its NBC channels, in the operand's layout)."""
+    return _b_operand(_boosted_fp16(ch_s.slice(c * NBC, NBC), kpage, q_rows, kscale_ptr, D, NBC), NBC)
 
 
 @gluon.jit

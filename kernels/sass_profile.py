@@ -91,8 +91,8 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
                          pdl: bool = False, i8: int = 0, whole_bytes: str = "", compute: bool = True,
-                         copies: bool = True,
-                         times: bool = False, waits: bool = False, pad: tuple[str, int] | None = None):
+                         copies: bool = True, times: bool = False, waits: bool = False,
+                         pad: tuple[str, int] | None = None):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
     bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline, with
@@ -110,7 +110,8 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
                      **({} if times else {"times_ptr": None}), "WAITS": waits, "PAD": pad[0] if pad else "",
                      "PAD_N": pad[1] if pad else 0}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})},
-                    {**({"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else {}), "pad_zero": 0})
+                    {**({"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else {}),
+                     "pad_zero": 0})
 
 
 def compile_merge_kernel(rows: int = 32, head_dim: int = 128, parts: int = 41, arch: int = 90, pdl: bool = False):

@@ -364,8 +364,9 @@ def check_i8_kernel(q, kv, kernel, ref, tol):
     (tree 2cc1138, the keys' scale by IEEE division as in the reference) the fp16 cases are 3-4 % of the rounding's
     own effect from it, the bf16 cases 9-12 %, most of that the outputs' bf16 rounding (BENCHMARKS.md section 1,
     session 21); before that division, two fp16 cases were 11 % and 14 %. With the default split, no further from
-    the exact reference than that arithmetic is, plus the tolerance. The rounding is per head: queries whose heads differ 16x
-    in size would overflow the 8-bit operands if a head took another's scale."""
+    the exact reference than that arithmetic is, plus the tolerance. The rounding is per head: queries whose heads
+    differ 16x in size would overflow the 8-bit operands if a head took another's scale. A head of zero queries
+    (operands under I8_AMAX_FLOOR) must decode to finite numbers."""
     from kernels import decode_gluon
     from kernels.i8_reference import decode_attention_i8_ref
     d = q.shape[-1]
