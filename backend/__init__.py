@@ -46,10 +46,7 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     its TMA copies 3-11 % faster than cp.async at 5 of 6 shapes, equal at the sixth: BENCHMARKS.md section 1,
     session 16). The experiments "gluon-tma-i8k" / "gluon-tma-i8" do the key (and value) products in 8-bit
     integers, which changes the numbers (kernels/i8_reference.py); a cache on a CPU decodes with their arithmetic,
-    at any shape, so that their cost in accuracy can be measured there (`python -m backend.bench quality`). The
-    experiments "gluon-tma-bytes" / "gluon-tma-bytes-mad" are "gluon-tma" with fewer integer instructions a page
-    and the same numbers but for fp32 rounding (decode_gluon's BYTES; not yet timed on a GPU); a CPU cache decodes
-    them as "auto".
+    at any shape, so that their cost in accuracy can be measured there (`python -m backend.bench quality`).
     Switches `model` to the "kitty" attention function, which is plain SDPA for any other cache."""
     config = method if isinstance(method, CacheConfig) else method_config(method, **settings)
     use_kitty_attention(model)

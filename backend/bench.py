@@ -266,7 +266,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "bytes", "timeline", "pad")
+               "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "timeline", "pad")
 
 
 def bench_tune(args) -> dict:
@@ -357,14 +357,6 @@ def bench_tune(args) -> dict:
                       # whether more warps would hide its latencies)
                       "loads": [gluon(cap)] + [{**gluon(r), "loads": half} for half in ("copies", "arithmetic")
                                                for r in (GLUON_MAXNREG, 128)],
-                      # quarter 3's products by whole bytes (decode_gluon's BYTES: one integer-pipe instruction fewer
-                      # a word of 16 codes, or two and an IMAD) against the default kernel, each whole, its paged
-                      # launch alone and its arithmetic alone; and what one more LOP3 or FFMA a page costs the
-                      # paged launch with two fewer (whether the integer pipe still bounds it: PAD, as "pad")
-                      "bytes": [{**gluon(cap, kernel=k), "loads": half} for half in (None, "whole", "arithmetic")
-                                for k in ("gluon-tma", "gluon-tma-bytes", "gluon-tma-bytes-mad")]
-                      + [{**gluon(cap, kernel="gluon-tma-bytes-mad"), "loads": "whole", "pad": pad}
-                         for pad in (("alu", 64), ("fma", 64))],
                       # when each program of the default kernel's paged launch starts and ends, and where (the launch
                       # alone, and its arithmetic alone): how long the multiprocessors hold fewer programs than they
                       # can (ncu: about 10 of 12 warps active on average at batch 64 / 32K, session 24)

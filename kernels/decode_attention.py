@@ -591,8 +591,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-bytes",
-           "gluon-tma-bytes-mad")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -615,11 +614,7 @@ GLUON_MAXNREG_FEW = 192
 # 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
 # kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
 # section 3, `python -m backend.bench quality`)
-# "gluon-tma-bytes" / "gluon-tma-bytes-mad": the same numbers as "gluon-tma" but for fp32 rounding, with one / two
-# integer-pipe instructions fewer a word of 16 codes (decode_gluon's WHOLE_BYTES_ASM: quarter 3's products take whole
-# bytes; "mad" makes them by an IMAD on the multiply-add pipe): experiments until the H200 has timed them against
-# "gluon-tma"
-GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8", "gluon-tma-bytes", "gluon-tma-bytes-mad")
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
@@ -670,9 +665,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     on the H200: MAXNREG for Triton, gluon_maxnreg for the Gluon kernel; 255 leaves it to the compiler). kernel: that
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
-    same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback),
-    "gluon-tma-bytes" / "gluon-tma-bytes-mad" (the same as "gluon-tma" with quarter 3's products by whole bytes; the
-    same fallback) or "auto"
+    same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
     (choose_kernel). rest_warps / rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default:
     decode_rest.rest_warps), their register cap (default: the compiler's) and blocks a program (default:
     decode_rest.rest_blocks_per_program). pdl: the

@@ -11,7 +11,8 @@ instructions per page). Here the layouts are explicit (Gluon), and the page layo
   permute that `convert_layout(..., assert_trivial=True)` proves cost nothing). The other operand (queries times
   scales, or probabilities times scales) gets the same order the same way (`_b_operand`).
 - A 32-bit word of codes becomes the fp16 operands of a quarter with one AND per pair: each 2-bit field, left
-  where it is with every other bit cleared, is the subnormal number code * 4^i * 2^-24 (`QUARTER_ASM`).
+  where it is with every other bit cleared, is the subnormal number code * 4^i * 2^-24 (`QUARTER_ASM`). Quarter 3's
+  products take whole bytes, the sums of the 4 fields' operands, and the other quarters' sums are taken off them.
 - A page is taken 32 columns at a time (keys: a channel chunk, all 4 token quarters; values: one token quarter,
   all 4 channel quarters), so that one chunk's codes are live at once.
 - Pages arrive by cp.async (by TMA on Hopper: kernel="gluon-tma") into one shared-memory buffer per kind, each
@@ -57,38 +58,31 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .layout import KEY_CHUNK, PagedKV
 
 HEADS_PER_TILE = 8          # the matrix instruction's columns: a KV group of up to 8 query heads
-# a word of 4 code bytes -> itself and itself >> 8: 16-bit halves led by bytes 0 / 2 and 1 / 3, whose low bytes
-# QUARTER_ASM takes fields from (so its operands pair bytes (0, 2) and (1, 3): consecutive columns, as the page layout
-# stores them, layout.SWAP)
-# (The shift as the high word of a product by 2^24, IMAD.HI on the multiply-add pipe instead of SHF.R on the integer
-# pipe that also runs the unpacking's ANDs, was slower or no faster at all six shapes: BENCHMARKS.md section 1,
-# session 14.)
-SPREAD = gl.constexpr("mov.b32 $0, $2; shr.b32 $1, $2, 8;")
-# BYTES (decode_attention(kernel="gluon-tma-bytes..."), an experiment): the second word with bytes 1 and 3 and zeros
-# above them (a byte permute instead of the shift: as many integer-pipe instructions), so that it is, as it is, the
-# fp16 operand whose elements are whole bytes (see WHOLE_BYTES_ASM)
-SPREAD_BYTES = gl.constexpr("mov.b32 $0, $2; prmt.b32 $1, $2, 0, 0x4341;")
+# A word of 4 code bytes -> itself and bytes 1 and 3 with zeros above them (a byte permute): 16-bit halves led by
+# bytes 0 / 2 and 1 / 3, whose low bytes QUARTER_ASM takes fields from (so its operands pair bytes (0, 2) and (1, 3):
+# consecutive columns, as the page layout stores them, layout.SWAP). The second word, clean, is also as it is quarter
+# 3's operand (QUARTER_ASM)
+SPREAD = gl.constexpr("mov.b32 $0, $2; prmt.b32 $1, $2, 0, 0x4341;")
 
 # 2-bit fields -> fp16 operands: field i of a byte (bits 2i) left in place, every other bit cleared, is the fp16 bit
-# pattern of the subnormal number code * 4^i * 2^-24. fp16's 10 mantissa bits hold all 4 fields of a byte, so 16
-# codes take one shift (_spread) and 8 ANDs, against 11 instructions and offset products with bf16 magic numbers
-# (the Triton kernel's unpacking; measured 10 % slower at batch 64 / 32K, BENCHMARKS.md section 1, session 11). The
-# matrix unit multiplies subnormal fp16 operands exactly, and a quarter's weight 2^24 / 4^i is applied to its fp32
-# sums. Both query dtypes take fp16 operands: queries times scales keep 3 more bits than in bf16 (the overflow bound
-# is Q_SCALE's, below).
-QUARTER_ASM = gl.constexpr(tuple(f"and.b32 $0, $2, {m:#x}; and.b32 $1, $3, {m:#x};"
-                                 for m in (0x00030003 << 2 * i for i in range(4))))
-QUARTER_WEIGHT = gl.constexpr(tuple(2.0 ** 24 / 4 ** i for i in range(4)))
-# BYTES: quarter 3's products take whole bytes instead of field 3: a byte in place is the subnormal number (sum_i
-# code_i * 4^i) * 2^-24, the sum of the 4 quarters' operands, so its products sum all 4 quarters' products and
+# pattern of the subnormal number code * 4^i * 2^-24. fp16's 10 mantissa bits hold all 4 fields of a byte, against 11
+# instructions and offset products with bf16 magic numbers (the Triton kernel's unpacking; measured 10 % slower at
+# batch 64 / 32K, BENCHMARKS.md section 1, session 11). The matrix unit multiplies subnormal fp16 operands exactly, and
+# a quarter's weight 2^24 / 4^i is applied to its fp32 sums. Both query dtypes take fp16 operands: queries times
+# scales keep 3 more bits than in bf16 (the overflow bound is Q_SCALE's, below).
+# Quarter 3's products take whole bytes instead of field 3: a byte in place (zeros above it) is the subnormal number
+# (sum_i code_i * 4^i) * 2^-24, the sum of the 4 quarters' operands, so its products sum all 4 quarters' products and
 # quarter 3's are that less the other three's (in fp32, once a page for the keys' scores, once at the end for the
-# values' running sums: _whole_bytes_minus). Its operand is the second word as it is (SPREAD_BYTES) and bytes 0 and
-# 2 of the first: BYTES "and" clears bytes 1 and 3 (an AND: 8 integer-pipe instructions a word of 16 codes instead
-# of 9, one for each of the 8 fp16 registers a word makes), "mad" subtracts them, the second word times 256, on the
-# multiply-add pipe (7 integer-pipe instructions and an IMAD; an IMAD.HI instead of the shift was slower or no
-# faster, in session 14's kernel: SPREAD).
-WHOLE_BYTES_ASM = gl.constexpr((("and", "and.b32 $0, $2, 0x00ff00ff; mov.b32 $1, $3;"),
-                                ("mad", "mad.lo.u32 $0, $3, 0xffffff00, $2; mov.b32 $1, $3;")))
+# values' running sums: _quarter3_sums). Its operands are the second word as it is and the first word less the second
+# times 256 (bytes 0 and 2), an IMAD on the multiply-add pipe: a word of 16 codes takes 7 integer-pipe instructions
+# (6 AND, a PRMT) and an IMAD. Measured on the H200 against field 3 by a shift and an AND (9 integer-pipe
+# instructions) and against the whole bytes by an AND (8): kitty-pro's paged launch at batch 64 / 32K 402.5 against
+# 409.7 and 410.2 us, its arithmetic alone 329.1 against 349.9 and 334.2 (BENCHMARKS.md section 1, session 32). (A
+# shift as IMAD.HI instead of SHF.R was slower or no faster: session 14.)
+QUARTER_ASM = gl.constexpr(tuple(f"and.b32 $0, $2, {m:#x}; and.b32 $1, $3, {m:#x};"
+                                 for m in (0x00030003 << 2 * i for i in range(3)))
+                           + ("mad.lo.u32 $0, $3, 0xffffff00, $2; mov.b32 $1, $3;",))
+QUARTER_WEIGHT = gl.constexpr(tuple(2.0 ** 24 / 4 ** i for i in range(4)))
 DOT = gl.float16
 # The queries enter the key operands as q * Q_SCALE in fp16: exact for bf16 and fp16 queries (a power of two, where a
 # query times qk_scale would be rounded), with products q * scale and q * zero up to 16 * 65,504 before they overflow;
@@ -171,31 +165,21 @@ def _mul2(x, y):
 
 
 @gluon.jit
-def _spread(x, BYTES: gl.constexpr):
+def _spread(x):
     """An (R, K) byte tile -> the two words per 4 bytes that _quarter takes fields from (SPREAD: bytes 0 and 2, and 1
-    and 3, of each 4, which the page layout stores as consecutive columns; with BYTES, SPREAD_BYTES)."""
-    return gl.inline_asm_elementwise(asm=_spread_asm(BYTES), constraints="=r,=r,r", args=[x],
-                                     dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
-
-
-@gluon.constexpr_function
-def _spread_asm(BYTES):
-    return SPREAD_BYTES if BYTES else SPREAD
+    and 3, of each 4, which the page layout stores as consecutive columns)."""
+    return gl.inline_asm_elementwise(asm=SPREAD, constraints="=r,=r,r", args=[x], dtype=(gl.uint8, gl.uint8),
+                                     is_pure=True, pack=4)
 
 
 @gluon.jit
-def _quarter(t, u, I: gl.constexpr, R: gl.constexpr, K: gl.constexpr, BYTES: gl.constexpr):
-    """Quarter I (the 2-bit fields at bits 2I) of the tile _spread gave (t, u), as a first mma operand: code * 4^I *
-    2^-24 in fp16 (BYTES: the whole bytes, made as WHOLE_BYTES_ASM says). One quarter at a time, so that a tile's
-    four unpacked quarters are never live together."""
-    c = gl.inline_asm_elementwise(asm=_quarter_asm(I, BYTES), constraints="=r,=r,r,r", args=[t, u], dtype=DOT,
+def _quarter(t, u, I: gl.constexpr, R: gl.constexpr, K: gl.constexpr):
+    """Quarter I of the tile _spread gave (t, u), as a first mma operand: the 2-bit fields at bits 2I, code * 4^I *
+    2^-24 in fp16, or for quarter 3 the whole bytes (QUARTER_ASM). One quarter at a time, so that a tile's four
+    unpacked quarters are never live together."""
+    c = gl.inline_asm_elementwise(asm=_pick(QUARTER_ASM, I), constraints="=r,=r,r,r", args=[t, u], dtype=DOT,
                                   is_pure=True, pack=4)
     return _a_operand(c, R, K)
-
-
-@gluon.constexpr_function
-def _quarter_asm(I, BYTES):
-    return dict(WHOLE_BYTES_ASM)[BYTES] if BYTES else QUARTER_ASM[I]
 
 
 @gluon.constexpr_function
@@ -204,25 +188,22 @@ def _pick(options, i):
 
 
 @gluon.jit
-def _tile_products(x, b, acc0, acc1, acc2, acc3, R: gl.constexpr, K: gl.constexpr, BYTES: gl.constexpr):
-    """acc_i += (quarter i of the (R, K) byte tile x) @ b, for the 4 quarters: 4^i * 2^-24 * (codes @ b). BYTES:
-    acc3 += the whole bytes @ b, the sum of the 4 (WHOLE_BYTES_ASM; _whole_bytes_minus takes the other 3 off)."""
-    t, u = _spread(x, BYTES)
-    acc0 = mma_v2(_quarter(t, u, 0, R, K, ""), b, acc0)
-    acc1 = mma_v2(_quarter(t, u, 1, R, K, ""), b, acc1)
-    acc2 = mma_v2(_quarter(t, u, 2, R, K, ""), b, acc2)
-    acc3 = mma_v2(_quarter(t, u, 3, R, K, BYTES), b, acc3)
+def _tile_products(x, b, acc0, acc1, acc2, acc3, R: gl.constexpr, K: gl.constexpr):
+    """acc_i += (quarter i of the (R, K) byte tile x) @ b, for quarters 0-2: 4^i * 2^-24 * (codes @ b); acc3 += the
+    whole bytes @ b, the sum of the 4 quarters' (QUARTER_ASM; _quarter3_sums takes the other 3 off)."""
+    t, u = _spread(x)
+    acc0 = mma_v2(_quarter(t, u, 0, R, K), b, acc0)
+    acc1 = mma_v2(_quarter(t, u, 1, R, K), b, acc1)
+    acc2 = mma_v2(_quarter(t, u, 2, R, K), b, acc2)
+    acc3 = mma_v2(_quarter(t, u, 3, R, K), b, acc3)
     return acc0, acc1, acc2, acc3
 
 
 @gluon.jit
-def _whole_bytes_minus(acc0, acc1, acc2, acc3, BYTES: gl.constexpr):
-    """Quarter 3's sums from acc3: with BYTES the sums of the whole bytes' products, less the other 3 quarters'
-    (exact but for fp32 rounding, at most a few units of the last place of the larger sums), else acc3 as it
-    is."""
-    if BYTES != "":
-        return acc3 - acc0 - acc1 - acc2
-    return acc3
+def _quarter3_sums(acc0, acc1, acc2, acc3):
+    """Quarter 3's sums from acc3, the sums of the whole bytes' products: less the other 3 quarters' (exact but for
+    fp32 rounding, at most a few units of the last place of the larger sums)."""
+    return acc3 - acc0 - acc1 - acc2
 
 
 @gluon.constexpr_function
@@ -252,12 +233,12 @@ def _chunk(K):
 
 
 @gluon.jit
-def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-                BYTES: gl.constexpr):
+def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
+                NB: gl.constexpr):
     """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
     accumulator tiles. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS), taken times
     qk_scale / Q_SCALE in the fp32 sums; q_rows: (1, HEADS) pointers to the query rows, for the boosted channels'
-    gather (_queries); BYTES: the whole bytes' products (WHOLE_BYTES_ASM)."""
+    gather (_queries)."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -278,8 +259,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
         q = q_s.index(c).load(cols)                     # the operands in fp16 arithmetic: 2 elements an instruction
         zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
         b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC)
-        s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC,
-                                        BYTES)
+        s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
         NBC: gl.constexpr = _chunk(NB)
@@ -287,8 +267,8 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
             if NB > 32:
                 b_nb = _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D, NBC)
             s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
-                                            G4, NBC, BYTES)
-    s3 = _whole_bytes_minus(s0, s1, s2, s3, BYTES)
+                                            G4, NBC)
+    s3 = _quarter3_sums(s0, s1, s2, s3)
     scale = qk_scale * (1.0 / Q_SCALE)
     zq = zq * scale
     return (s0 * (_pick(QUARTER_WEIGHT, 0) * scale) + zq, s1 * (_pick(QUARTER_WEIGHT, 1) * scale) + zq,
@@ -458,7 +438,7 @@ def _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D: gl.constexpr, NBC: g
 
 @gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr, BYTES: gl.constexpr):
+                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
     vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
     (p * scale) (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t:
@@ -466,9 +446,9 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the
     pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200
     (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers,
-    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. BYTES
-    (fp16 products): acc3 sums the whole bytes' products (WHOLE_BYTES_ASM), which are linear in the page sums like
-    the others: the kernel takes the other quarters off once, at its end."""
+    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. With fp16
+    products, acc3 sums the whole bytes' products (QUARTER_ASM), which are linear in the page sums like the others:
+    the kernel takes the other quarters off once, at its end (_quarter3_sums)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -503,11 +483,11 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
             i0, i1, i2, i3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G4), i0, i1, i2, i3, G4)
         else:
             pv = _b_operand(pv, G4)
-            acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4, BYTES)
+            acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4)
             if V_BITS == 4:
                 pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
                 acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4,
-                                                        acc0, acc1, acc2, acc3, D4, G4, BYTES)
+                                                        acc0, acc1, acc2, acc3, D4, G4)
     if I8:
         # back to the fp16 products' units (code * 4^j * 2^-24) and onto the running sums: two multiply-adds
         k = gl.convert_layout((2.0 ** -24) / r.to(gl.float32), gl.SliceLayout(0, mma))
@@ -807,16 +787,14 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, BYTES: gl.constexpr = "",
-        PDL: gl.constexpr = False,
+        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
         PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows: the
-    key scales as a pointer, for the boosted channels' gather. BYTES (with fp16 products, I8 = 0): quarter 3's products
-    by whole bytes, made as WHOLE_BYTES_ASM names ("and" or "mad"; "" not). PDL: the remaining blocks' kernel after it
-    may start at once (decode_launches' pdl). Two measurements that are not attention (`python -m backend.bench tune
+    key scales as a pointer, for the boosted channels' gather. PDL: the remaining blocks' kernel after it may start at
+    once (decode_launches' pdl). Two measurements that are not attention (`python -m backend.bench tune
     --vary loads`): COMPUTE=False, the page loop's copies, waits and barriers only (the memory pipeline's own ceiling);
     COPIES=False, its products and barriers only, over the first slot's pages again and again (the arithmetic's own
     time). times_ptr (a measurement, `bench tune --vary timeline`): each program writes when it started and ended
@@ -875,7 +853,7 @@ def _gluon_paged_kernel(
         elif I8 > 0:
             s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB)
         else:
-            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, BYTES)
+            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB)
             if PAD_N > 0:
                 s0 = _pad(s0, pad_zero, PAD, PAD_N)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
@@ -888,7 +866,7 @@ def _gluon_paged_kernel(
         _BARRIER()
         if COMPUTE:
             m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
-                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2, BYTES)
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -909,7 +887,8 @@ def _gluon_paged_kernel(
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
     zrow = gl.max(z_t, axis=0)[None, :]
-    acc3 = _whole_bytes_minus(acc0, acc1, acc2, acc3, BYTES)
+    if I8 < 2:
+        acc3 = _quarter3_sums(acc0, acc1, acc2, acc3)
     gl.store(out, acc0 * _pick(QUARTER_WEIGHT, 0) + zrow, mask=omask)
     gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
@@ -1041,15 +1020,11 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
                      use_tma: bool = False, descriptors: tuple | None = None,
-                     i8: int = 0, whole_bytes: str = "") -> tuple[tuple, dict]:
+                     i8: int = 0) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here), i8 and
-    whole_bytes the kernel's I8 and BYTES (kernel_options). Also used to compile the kernel for a profile
-    (kernels.sass_profile)."""
-    if whole_bytes and (i8 or whole_bytes not in dict(WHOLE_BYTES_ASM.value)):
-        raise ValueError(f"whole_bytes={whole_bytes!r}: one of {[name for name, _ in WHOLE_BYTES_ASM.value]}, "
-                         "with the fp16 products (i8=0)")
+    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here), i8 the kernel's I8
+    (kernel_options). Also used to compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -1057,7 +1032,7 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     I8=i8, BYTES=whole_bytes)
+                     I8=i8)
     return args, constants
 
 
@@ -1070,17 +1045,12 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 # decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
 # value products too
-I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2, "gluon-tma-bytes": 0,
-               "gluon-tma-bytes-mad": 0}
-# ... and those whose quarter 3 products take whole bytes, made as WHOLE_BYTES_ASM names (BYTES): experiments, not
-# yet timed on a GPU
-WHOLE_BYTES = {"gluon-tma-bytes": "and", "gluon-tma-bytes-mad": "mad"}
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
 
 
 def kernel_options(kernel: str) -> dict:
-    """decode_attention's Gluon `kernel` -> launch's (and kernel_arguments') options that make it: use_tma, i8,
-    whole_bytes."""
-    return dict(use_tma=kernel != "gluon", i8=I8_PRODUCTS[kernel], whole_bytes=WHOLE_BYTES.get(kernel, ""))
+    """decode_attention's Gluon `kernel` -> launch's (and kernel_arguments') options that make it: use_tma, i8."""
+    return dict(use_tma=kernel != "gluon", i8=I8_PRODUCTS[kernel])
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
@@ -1095,15 +1065,15 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
-           whole_bytes: str = "", compute: bool = True, copies: bool = True, times: torch.Tensor | None = None,
+           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None,
            waits: bool = False, pad: tuple[str, int] | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
-    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only);
-    whole_bytes: quarter 3's products by whole bytes (BYTES: "and", "mad"). Measurements, not attention:
+    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
+    Measurements, not attention:
     compute=False, the copies alone; copies=False, the arithmetic alone; times (int64, TIMES_ROW a program), each
     program's start, end and multiprocessor, and with waits its cycles waiting for keys and for values and in all
     (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, whole_bytes)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, WAITS=waits,
         **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,
