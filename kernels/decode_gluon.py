@@ -278,8 +278,8 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
 # ------------------------------------------------------------------------------------ 8-bit key products (I8)
 # decode_attention(kernel="gluon-tma-i8"): the key products on the integer matrix unit (mma m16n8k32, s8 x s8 ->
 # s32). A byte's field i, masked in place, is the integer code * 4^i (field 3, which would reach 192, is shifted down
-# first): a word of 16 codes makes the 4 quarters' operands in 5 instructions (I8_QUARTER_ASM) instead of a shift and
-# 8 ANDs, and a product covers 32 channels instead of 16. The other operand, queries times scales, is rounded to 8
+# first): a word of 16 codes makes the 4 quarters' operands in 5 instructions (I8_QUARTER_ASM) instead of 7 and an
+# IMAD, and a product covers 32 channels instead of 16. The other operand, queries times scales, is rounded to 8
 # bits a page, with one scale per head (its largest magnitude over the page's channels, boosted ones included, maps
 # to 127): this rounding is the variant's only change to the numbers (the fp16 operands keep 11 bits).
 # Field 3 in place would be code * 64, up to 192, past s8. With its low bit flipped it is the s8 number 64 - 64 *
