@@ -1065,14 +1065,13 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
-           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None,
-           waits: bool = False, pad: tuple[str, int] | None = None) -> None:
+           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None, waits: bool = False,
+           pad: tuple[str, int] | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
-    Measurements, not attention:
-    compute=False, the copies alone; copies=False, the arithmetic alone; times (int64, TIMES_ROW a program), each
-    program's start, end and multiprocessor, and with waits its cycles waiting for keys and for values and in all
-    (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N."""
+    Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
+    TIMES_ROW a program), each program's start, end and multiprocessor, and with waits its cycles waiting for keys
+    and for values and in all (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, WAITS=waits,

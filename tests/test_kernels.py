@@ -551,7 +551,7 @@ def test_i8_kernels_compile_for_hopper_with_integer_products():
 
 
 def run_ptx(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
-    """The few 32-bit PTX instructions of decode_gluon's unpacking strings (and, shr, mov, prmt, mad.lo), run on
+    """The few 32-bit PTX instructions of decode_gluon's unpacking strings (and, mov, prmt, mad.lo), run on
     uint32 arrays: $0 .. $(outputs - 1) are the results, the inputs follow."""
     regs = {f"${outputs + i}": x.astype(np.uint64) for i, x in enumerate(inputs)}
 
@@ -564,8 +564,6 @@ def run_ptx(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray
         a = [value(x) for x in args]
         if op == "and.b32":
             result = a[0] & a[1]
-        elif op == "shr.b32":
-            result = a[0] >> a[1]
         elif op == "mov.b32":
             result = a[0] + np.uint64(0)
         elif op == "mad.lo.u32":
