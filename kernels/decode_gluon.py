@@ -234,11 +234,11 @@ def _chunk(K):
 
 @gluon.jit
 def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                NB: gl.constexpr):
+                NB: gl.constexpr, live=None):
     """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
     accumulator tiles. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS), taken times
     qk_scale / Q_SCALE in the fp32 sums; q_rows: (1, HEADS) pointers to the query rows, for the boosted channels'
-    gather (_queries)."""
+    gather (_queries); live: None, or _live_heads, which the gathered queries are multiplied by."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -246,7 +246,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     if NB > 0 and NB <= 32:
         # one chunk of boosted channels: its gathers first, so that their latency is spent on the low plane
-        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, kscale_ptr, D, NB)
+        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, kscale_ptr, D, NB, live)
     s0 = gl.zeros([G4, HEADS], gl.float32, mma)
     s1 = gl.zeros([G4, HEADS], gl.float32, mma)
     s2 = gl.zeros([G4, HEADS], gl.float32, mma)
@@ -265,7 +265,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
         NBC: gl.constexpr = _chunk(NB)
         for c in gl.static_range(NB // NBC):
             if NB > 32:
-                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D, NBC)
+                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D, NBC, live)
             s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
                                             G4, NBC)
     s3 = _quarter3_sums(s0, s1, s2, s3)
@@ -419,36 +419,52 @@ def _i8_accumulate(acc, alpha, s, k):
 
 
 @gluon.jit
-def _boosted_fp16(ch_s, kpage, q_rows, kscale_ptr, D: gl.constexpr, NB: gl.constexpr):
+def _boosted_fp16(ch_s, kpage, q_rows, kscale_ptr, D: gl.constexpr, NB: gl.constexpr, live=None):
     """The second operand of the NB boosted channels listed in ch_s before its layout: 4 * Q_SCALE * q_ch * scale_ch
     (NB, HEADS), fp16 in _cols_layout(NB), gathered from the query rows and the page's scales in global memory
-    (L1 / L2)."""
+    (L1 / L2); with live (_key_scores), times it."""
     lay: gl.constexpr = _cols_layout(NB)
     ch = ch_s.load(gl.SliceLayout(1, lay)).to(gl.int32)
     ch_scale = gl.load(kscale_ptr + kpage * D + ch).to(gl.float32)
-    q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None])
-    return (q_ch.to(gl.float32) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT)
+    q_ch = gl.load(gl.convert_layout(q_rows, lay) + ch[:, None]).to(gl.float32)
+    if live is not None:
+        q_ch = q_ch * gl.convert_layout(live, lay)
+    return (q_ch * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT)
 
 
 @gluon.jit
-def _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr):
+def _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr, live=None):
     """The second operand of boosted-channel chunk c (_boosted_fp16 of its NBC channels, in the operand's layout)."""
-    return _b_operand(_boosted_fp16(ch_s.slice(c * NBC, NBC), kpage, q_rows, kscale_ptr, D, NBC), NBC)
+    return _b_operand(_boosted_fp16(ch_s.slice(c * NBC, NBC), kpage, q_rows, kscale_ptr, D, NBC, live), NBC)
+
+
+@gluon.jit
+def _zero_rows(zero_s, K: gl.constexpr):
+    """A (16, K) first operand, rows 0-7 the K zeros in zero_s and rows 8-15 ones, columns in operand order: its
+    products with p (_b_operand) are the sums of p * zero in rows 0-7 and of p in rows 8-15 (ZERO_ROWS), 8 products
+    a page fewer than two products with ones, and p * zero exact (not rounded to fp16). The compiler copies the
+    loaded zeros into the products' register quads beside the ones: 31 more IMAD a kitty-pro page, against 8 HMMA,
+    16 HMUL2 and 4 FMUL fewer (triton 3.6, cap 168)."""
+    lay: gl.constexpr = _rows_layout(K)
+    zero = zero_s.load(gl.SliceLayout(0, lay))
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))[:, None]
+    return _a_operand(gl.where(rows < 8, zero[None, :], 1.0).to(DOT), 16, K)
 
 
 @gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr):
-    """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in
-    vbufs accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @
-    (p * scale) (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t:
-    (16 * warps, HEADS) tiles, every row the sum). Returns the new running max, l_t, z_t and the 4 channel quarters'
-    accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the
-    pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200
-    (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers,
-    p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. With fp16
-    products, acc3 sums the whole bytes' products (QUARTER_ASM), which are linear in the page sums like the others:
-    the kernel takes the other quarters off once, at its end (_quarter3_sums)."""
+                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr, ZERO_ROWS: gl.constexpr = False):
+    """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in vbufs
+    accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @ (p * scale)
+    (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t: (16 * warps,
+    HEADS) tiles, every row the sum). Returns the new running max, l_t, z_t and the 4 channel quarters' accumulators
+    (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the pages that raise no
+    maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200 (BENCHMARKS.md section 1,
+    session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers, p * scale rounded to s8 with one
+    scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. With fp16 products, acc3 sums the whole bytes'
+    products (QUARTER_ASM), which are linear in the page sums like the others: the kernel takes the other quarters off
+    once, at its end (_quarter3_sums). ZERO_ROWS (kernel="gluon-tma-zero-rows", an experiment): both sums in l_t, by one
+    product a 16 tokens with the zeros as the first operand's rows (_zero_rows), and z_t unused."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -457,7 +473,8 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     m_new = gl.maximum(m_i, page_max)
     alpha = gl.exp2(m_i - m_new)[None, :]
     l_t = l_t * alpha
-    z_t = z_t * alpha
+    if not ZERO_ROWS:
+        z_t = z_t * alpha
     if I8:
         r = _i8_value_scale(vscale_s, page_max, m_new, G)
         i0 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
@@ -475,8 +492,11 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     for i in gl.static_range(4):
         # the probabilities in fp16, as (token, head) operands, then times the tokens' scales and zeros in fp16
         p = gl.convert_layout(gl.exp2(scores[i] - m_new[None, :]).to(DOT), _cols_layout(G4))
-        l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
-        z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
+        if ZERO_ROWS:
+            l_t = mma_v2(_zero_rows(vzero_s.slice(i * G4, G4), G4), _b_operand(p, G4), l_t)
+        else:
+            l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
+            z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
         pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
         codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
         if I8:
@@ -760,19 +780,38 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
 
 @gluon.jit
 def _queries(q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, lay: gl.constexpr,
-             shared: gl.constexpr):
+             shared: gl.constexpr, live=None):
     """The group's queries times Q_SCALE in fp16, chunk by chunk into shared memory (D / KC, KC, HEADS) written
-    from registers in `lay`. Returns (1, HEADS) pointers to the query rows (in `lay`) and the shared memory. The tile
-    columns past the group (a group of 4 fills 4 of 8) take its last head's row: every column's sums are its own
-    (no reduction crosses heads) and only the group's are stored, so their loads need no mask. Zeroed, the boosted
-    channels' gathers cost 8 byte permutes a kitty-pro page more (the masked loads' defaults) and 6 registers."""
-    heads_q = gl.minimum(gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay)), GROUP - 1)
-    q_rows = q_ptr + ((b * H + h) * GROUP + heads_q[None, :]).to(gl.int64) * D
+    from registers in `lay`, times `live` if given (_live_heads). Returns (1, HEADS) pointers to the query rows (in
+    `lay`) and the shared memory. The tile columns past the group (a group of 4 fills 4 of 8) take its last head's
+    row: every column's sums are its own (no reduction crosses heads) and only the group's are stored, so their loads
+    need no mask. Zeroed by masked loads, the boosted channels' gathers cost 8 byte permutes a kitty-pro page more
+    (the masked loads' defaults) and 6 registers."""
+    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay))
+    q_rows = q_ptr + ((b * H + h) * GROUP + gl.minimum(heads, GROUP - 1)[None, :]).to(gl.int64) * D
     q_s = gl.allocate_shared_memory(DOT, [D // KC, KC, HEADS], shared)
     d = gl.arange(0, KC, layout=gl.SliceLayout(1, lay))
+    factor = Q_SCALE
+    if live is not None:
+        factor = live * Q_SCALE
     for c in gl.static_range(D // KC):
-        q_s.index(c).store((gl.load(q_rows + c * KC + d[:, None]) * Q_SCALE).to(DOT))
+        q_s.index(c).store((gl.load(q_rows + c * KC + d[:, None]) * factor).to(DOT))
     return q_rows, q_s
+
+
+@gluon.jit
+def _live_heads(GROUP: gl.constexpr, lay: gl.constexpr):
+    """ZERO_HEADS (kernel="gluon-tma-zero-heads", an experiment): (1, HEADS) fp32 in `lay`, 1 for the group's heads
+    and 0 for the tile's padding columns past it. The queries in shared memory (_queries) and the boosted channels'
+    gathered ones (_key_scores) are multiplied by it, so that the matrix unit multiplies zeros in those columns
+    instead of copies of the last head's operands (on a power-capped GPU, operands that do not change may cost less
+    power)."""
+    return gl.where(gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay)) < GROUP, 1.0, 0.0)[None, :]
+
+
+# the running max that ZERO_HEADS starts the padding heads at: 2^(score - PAD_HEAD_MAX) is 0 for any score a page
+# can have, and finite, so that alpha = 2^(PAD_HEAD_MAX - PAD_HEAD_MAX) is 1, not NaN
+PAD_HEAD_MAX = gl.constexpr(1.0e30)
 
 
 # int64 a program in the kernel's times_ptr: start, end, multiprocessor, key and value waits, cycles (and 2 unused)
@@ -787,22 +826,25 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, PDL: gl.constexpr = False,
+        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZERO_HEADS: gl.constexpr = False,
+        ZERO_ROWS: gl.constexpr = False, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
         PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows: the
-    key scales as a pointer, for the boosted channels' gather. PDL: the remaining blocks' kernel after it may start at
-    once (decode_launches' pdl). Two measurements that are not attention (`python -m backend.bench tune
-    --vary loads`): COMPUTE=False, the page loop's copies, waits and barriers only (the memory pipeline's own ceiling);
-    COPIES=False, its products and barriers only, over the first slot's pages again and again (the arithmetic's own
-    time). times_ptr (a measurement, `bench tune --vary timeline`): each program writes when it started and ended
-    (%globaltimer, ns) and its multiprocessor, TIMES_ROW int64 a program in grid order; with WAITS also the clock cycles
-    it spent waiting for its key pages and for its value pages (their mbarriers) and its cycles from start to end
-    (%clock64, read around each wait: the page loop changes). PAD / PAD_N (a measurement, `bench tune --vary pad`):
-    PAD_N more instructions a page of one kind ("alu": LOP3, "fma": FFMA, "mma": HMMA) on the scores, that add nothing
-    (pad_zero, 0 at run time, masks them out): what one more instruction of each kind costs this kernel (_pad)."""
+    key scales as a pointer, for the boosted channels' gather. ZERO_HEADS: zeros in the padding heads' operand columns
+    (_live_heads); ZERO_ROWS: the sums of p and of p * zero in one product (_zero_rows). PDL: the remaining blocks'
+    kernel after it may start at once (decode_launches' pdl). Two measurements that are not attention (`python -m
+    backend.bench tune --vary loads`): COMPUTE=False, the page loop's copies, waits and barriers only (the memory
+    pipeline's own ceiling); COPIES=False, its products and barriers only, over the first slot's pages again and again
+    (the arithmetic's own time). times_ptr (a measurement, `bench tune --vary timeline`): each program writes when it
+    started and ended (%globaltimer, ns) and its multiprocessor, TIMES_ROW int64 a program in grid order; with WAITS
+    also the clock cycles it spent waiting for its key pages and for its value pages (their mbarriers) and its cycles
+    from start to end (%clock64, read around each wait: the page loop changes). PAD / PAD_N (a measurement, `bench tune
+    --vary pad`): PAD_N more instructions a page of one kind ("alu": LOP3, "fma": FFMA, "mma": HMMA) on the scores, that
+    add nothing (pad_zero, 0 at run time, masks them out): what one more instruction of each kind costs this kernel
+    (_pad)."""
     if times_ptr is not None:
         started = _globaltimer()
     key_wait = 0                                    # WAITS: cycles waited for key pages, for value pages
@@ -826,10 +868,17 @@ def _gluon_paged_kernel(
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
         kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA)
-    q_rows, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared())
+    live = None
+    if ZERO_HEADS:
+        live = _live_heads(GROUP, _cols_layout(KC))
+    q_rows, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared(), live)
 
     mma: gl.constexpr = _mma()
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+    if ZERO_HEADS:
+        # the padding heads' running max starts above any score: their probabilities are 0 on every page (and
+        # their running sums stay 0: alpha is 2^0), so the value products' second operands are zero there too
+        m_i = gl.where(gl.arange(0, HEADS, layout=m_i.type.layout) < GROUP, m_i, PAD_HEAD_MAX)
     l_t = gl.zeros([16, HEADS], gl.float32, mma)       # sums of p and of p * zero on every row
     z_t = gl.zeros([16, HEADS], gl.float32, mma)
     acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
@@ -853,7 +902,7 @@ def _gluon_paged_kernel(
         elif I8 > 0:
             s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB)
         else:
-            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB)
+            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, live)
             if PAD_N > 0:
                 s0 = _pad(s0, pad_zero, PAD, PAD_N)
         _BARRIER()                                  # every lane's key reads are done: refill the key buffer
@@ -866,7 +915,8 @@ def _gluon_paged_kernel(
         _BARRIER()
         if COMPUTE:
             m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
-                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2)
+                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2,
+                                                                    ZERO_ROWS)
         _BARRIER()                                  # the value reads are done: refill the value buffer
         if more:
             _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -882,6 +932,10 @@ def _gluon_paged_kernel(
     hmask = heads < GROUP
     idx = ((b * H + h) * GROUP + heads).to(gl.int64) * NPART + part
     gl.store(pm_ptr + idx, m_i, mask=hmask)
+    if ZERO_ROWS:
+        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))[:, None]
+        z_t = gl.where(rows < 8, l_t, float("-inf"))
+        l_t = gl.where(rows < 8, float("-inf"), l_t)
     gl.store(pl_ptr + idx, gl.max(l_t, axis=0), mask=hmask)           # rows all equal: any one of them
     c = gl.arange(0, D4, layout=gl.SliceLayout(1, mma))
     out = po_ptr + idx[None, :] * D + c[:, None]
@@ -1020,11 +1074,12 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
                      use_tma: bool = False, descriptors: tuple | None = None,
-                     i8: int = 0) -> tuple[tuple, dict]:
+                     i8: int = 0, zero_heads: bool = False, zero_rows: bool = False) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here), i8 the kernel's I8
-    (kernel_options). Also used to compile the kernel for a profile (kernels.sass_profile)."""
+    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here), i8, zero_heads
+    and zero_rows the kernel's I8, ZERO_HEADS and ZERO_ROWS (kernel_options). Also used to compile the kernel for a
+    profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -1032,7 +1087,7 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
             qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     I8=i8)
+                     I8=i8, ZERO_HEADS=zero_heads, ZERO_ROWS=zero_rows)
     return args, constants
 
 
@@ -1045,12 +1100,15 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
 
 # decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
 # value products too
-I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-zero-heads": 0, "gluon-tma-zero-rows": 0, "gluon-tma-i8k": 1,
+               "gluon-tma-i8": 2}
 
 
 def kernel_options(kernel: str) -> dict:
-    """decode_attention's Gluon `kernel` -> launch's (and kernel_arguments') options that make it: use_tma, i8."""
-    return dict(use_tma=kernel != "gluon", i8=I8_PRODUCTS[kernel])
+    """decode_attention's Gluon `kernel` -> launch's (and kernel_arguments') options that make it: use_tma, i8,
+    zero_heads, zero_rows."""
+    return dict(use_tma=kernel != "gluon", i8=I8_PRODUCTS[kernel], zero_heads=kernel == "gluon-tma-zero-heads",
+                zero_rows=kernel == "gluon-tma-zero-rows")
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
@@ -1065,14 +1123,16 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
-           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None, waits: bool = False,
-           pad: tuple[str, int] | None = None) -> None:
+           zero_heads: bool = False, zero_rows: bool = False, compute: bool = True, copies: bool = True,
+           times: torch.Tensor | None = None, waits: bool = False, pad: tuple[str, int] | None = None) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
-    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only).
+    programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only);
+    zero_heads / zero_rows: the experiments ZERO_HEADS / ZERO_ROWS (kernel_options).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
     TIMES_ROW a program), each program's start, end and multiprocessor, and with waits its cycles waiting for keys
     and for values and in all (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, zero_heads,
+                                       zero_rows)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, WAITS=waits,
         **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,
