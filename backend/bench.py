@@ -266,7 +266,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "timeline", "pad")
+               "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "timeline", "pad", "zeros")
 
 
 def bench_tune(args) -> dict:
@@ -369,7 +369,15 @@ def bench_tune(args) -> dict:
                       # more LOP3 (the integer pipe, as the unpacking's ANDs), FFMA (the multiply-add pipe) a page,
                       # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD)
                       "pad": [{**gluon(cap), "loads": "whole", "pad": pad} for pad in (
-                          None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16))]}
+                          None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16))],
+                      # the energy experiments against the default: zeros in the padding heads' operand columns
+                      # (kernel "gluon-tma-zero-heads": whether operands that do not change cost a power-capped GPU
+                      # less) and the sums of p in one product (kernel "gluon-tma-zero-rows": 8 HMMA a page fewer,
+                      # 31 register copies more), each whole, its paged launch alone and its arithmetic alone, with
+                      # the GPU's clock and power
+                      "zeros": [{**gluon(cap, kernel=k), "loads": half}
+                                for k in (default_gluon, "gluon-tma-zero-heads", "gluon-tma-zero-rows")
+                                for half in (None, "whole", "arithmetic")]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA

@@ -591,7 +591,8 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-zero-heads", "gluon-tma-zero-rows", "gluon-tma-i8k",
+           "gluon-tma-i8")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -614,7 +615,13 @@ GLUON_MAXNREG_FEW = 192
 # 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
 # kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
 # section 3, `python -m backend.bench quality`)
-GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
+# "gluon-tma-zero-heads": "gluon-tma" with zeros in the operand columns of the tile's padding heads (a group of 4
+# fills 4 of 8) instead of copies of the group's last head, and their probabilities 0 (decode_gluon's ZERO_HEADS):
+# the same numbers for the group's heads. "gluon-tma-zero-rows": "gluon-tma" with the sums of p and of p * zero in
+# one matrix product instead of two, the values' zeros as rows of its first operand (decode_gluon's ZERO_ROWS:
+# 8 fewer products a page, 31 more register copies). Experiments in energy a page, for GPUs that run this kernel
+# power-capped (BENCHMARKS.md section 1, session 32)
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-zero-heads", "gluon-tma-zero-rows", "gluon-tma-i8k", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)

@@ -90,8 +90,9 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
-                         pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
-                         times: bool = False, waits: bool = False, pad: tuple[str, int] | None = None):
+                         pdl: bool = False, i8: int = 0, zero_heads: bool = False, zero_rows: bool = False,
+                         compute: bool = True, copies: bool = True, times: bool = False, waits: bool = False,
+                         pad: tuple[str, int] | None = None):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
     bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline, with
@@ -103,7 +104,8 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8, zero_heads=zero_heads,
+                                       zero_rows=zero_rows)
     return _compile(GluonASTSource, _gluon_paged_kernel, args,
                     {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies,
                      **({} if times else {"times_ptr": None}), "WAITS": waits, "PAD": pad[0] if pad else "",

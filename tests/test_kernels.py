@@ -315,13 +315,14 @@ GLUON_CASES = [
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
 def test_gluon_decode_attention_matches_reference(case, kernel):
     """The Gluon kernel with one split (programs of many slots: every buffer refilled many times) at the compiler's
-    registers, three at a cap of 168, and the default split and cap (gluon_maxnreg: 192 or 168), against the reference
-    and the Triton kernel; the partials and the output poisoned first, so that an unwritten element fails. Its
-    arithmetic is not the Triton kernel's (fp16 operands for both query dtypes, matrix products for the zero terms and
-    the sums of p, zeros in the padding heads' columns): it must be about as close to the reference as the Triton kernel
-    (within 25 %), or within a quarter of the tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton
-    kernel's operands are bf16), 0.8-1.08x the Triton kernel's error with fp16 ones. The TMA copies (kernel="gluon-tma")
-    move the same bytes: the same bar, on Hopper."""
+    registers, three at a cap of 168, and the default split and cap (gluon_maxnreg: 192 or 168), against the
+    reference and the Triton kernel; the partials and the output poisoned first, so that an unwritten element
+    fails. Its arithmetic is not the Triton kernel's (fp16 operands for both query dtypes, products with ones for
+    the zero terms and the sums of p): it must be about as close to the reference as the Triton kernel (within
+    25 %), or within a quarter of the tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton
+    kernel's operands are bf16), 0.8-1.08x the Triton kernel's error with fp16 ones. The TMA copies
+    (kernel="gluon-tma") move the same bytes: the same bar, on Hopper. "gluon-tma-zero-heads" must decode what
+    "gluon-tma" does, bit for bit (its zeros are in columns that no head of the group reads)."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     if kernel != "gluon" and torch.cuda.get_device_capability()[0] != 9:
@@ -352,6 +353,9 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
         assert rel_err(out, ref) <= max(1.25 * rel_err(triton_out, ref), tol / 4), \
             f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
+        if kernel == "gluon-tma-zero-heads":
+            default = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon-tma", maxnreg=maxnreg)
+            assert torch.equal(out, default), f"splits={splits}: {rel_err(out, default):.2e} from gluon-tma's"
 
 
 def check_i8_kernel(q, kv, kernel, ref, tol):
@@ -502,10 +506,10 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in run.stdout.splitlines()}
     # kitty-pro: 4 quarters x (2 x 8 key + 2 x 2 boosted + 2 x 8 value tiles) products; kivi-k2v2: no boosted plane;
-    # kitty: 16 boosted channels, one 16-column tile. Each also has the products for the sums: the keys' zero term
-    # with ones, one per 16 channels (its two 16-row tiles are one product, which the compiler shares), and the sums
-    # of p and of p * zero, one product per 16 tokens (decode_gluon._zero_rows: the zeros and ones as its rows)
-    ones = 128 // 16 + 128 // 16
+    # kitty: 16 boosted channels, one 16-column tile. Each also has the products with ones: the keys' zero term, one
+    # per 16 channels (its two 16-row tiles are one product, which the compiler shares), and the sums of p and of
+    # p * zero, one each per 16 tokens
+    ones = 128 // 16 + 2 * 128 // 16
     assert rows["kitty-pro"][0] == 4 * (16 + 4 + 16) + ones, run.stdout
     assert rows["kivi-k2v2"][0] == 4 * (16 + 16) + ones, run.stdout
     assert rows["kitty"][0] == 4 * (16 + 2 + 16) + ones, run.stdout
@@ -541,13 +545,43 @@ def test_i8_kernels_compile_for_hopper_with_integer_products():
     rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in run.stdout.splitlines()}
     # m16n8k32 over a 32-token quarter (2 row tiles) and 32 columns: 4 quarters and the -64 correction of field 3
     # (I8_MINUS64), for 4 channel chunks and the one boosted chunk; the values: 4 token quarters of 32 channels.
-    # The sums' products stay fp16: the keys' zero term (2 a 32-channel chunk), the sums of p and p * zero (2 a
-    # token quarter); the 8-bit keys' kernel keeps the fp16 value products (16 a token quarter)
+    # Products with ones stay fp16: the keys' zero term (2 a 32-channel chunk), the sums of p and p * zero (2 each
+    # a token quarter); the 8-bit keys' kernel keeps the fp16 value products (16 a token quarter)
     keys, values = (4 + 1) * 5 * 2, 4 * 5 * 2
-    ones = 4 * 2 + 4 * 2
+    ones = 4 * 2 + 4 * 2 * 2
     assert rows["i8k"][:2] == rows["i8k-128"][:2] == [keys, 4 * 16 + ones], run.stdout
     assert rows["i8"][:2] == [keys + values, ones], run.stdout
     assert all(spills == 0 for _, _, spills in rows.values()), run.stdout
+
+
+def test_energy_experiments_compile_with_the_products_they_say():
+    """Without a GPU, at the default cap with TMA copies (sm_90), against the default's page loop:
+    decode_attention(kernel="gluon-tma-zero-heads") adds only the boosted channels' gathered queries times the live
+    heads' ones and zeros (32 channels x 8 heads over 32 lanes: 8 FMUL a kitty-pro page; none without boosted
+    channels): zeroing the queries in shared memory and the padding heads' running max costs nothing a page.
+    kernel="gluon-tma-zero-rows" takes 8 products a page off (the sums of p and of p * zero in one product a 16
+    tokens, 4 token quarters x 2) and the 16 HMUL2 of p * zero. Neither spills."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.sass_profile import compile_gluon_kernel, profile
+        for method in ("kitty-pro", "kivi-k2v2"):
+            for name in ("default", "zero_heads", "zero_rows"):
+                options = {} if name == "default" else {name: True}
+                row = profile(compile_gluon_kernel(method, torch.bfloat16, 4, maxnreg=168, use_tma=True, **options))
+                opcodes = row["loop opcodes"]
+                print(method, name, row["loop instructions"], row["loop matrix"], row["loop local ld/st"],
+                      opcodes.get("FMUL", 0), opcodes.get("HMUL2", 0))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {tuple(line.split()[:2]): [int(x) for x in line.split()[2:]] for line in run.stdout.splitlines()}
+    for method, gathered in (("kitty-pro", 8), ("kivi-k2v2", 0)):
+        default, heads, sums = rows[method, "default"], rows[method, "zero_heads"], rows[method, "zero_rows"]
+        assert default[2] == heads[2] == sums[2] == 0, run.stdout
+        assert heads[1] == default[1] and heads[3] == default[3] + gathered, run.stdout
+        assert abs(heads[0] - default[0] - gathered) <= 2, run.stdout
+        assert sums[1] == default[1] - 8 and sums[4] == default[4] - 16, run.stdout
 
 
 def run_ptx(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
