@@ -620,7 +620,9 @@ GLUON_MAXNREG_FEW = 192
 # the same numbers for the group's heads. "gluon-tma-zero-rows": "gluon-tma" with the sums of p and of p * zero in
 # one matrix product instead of two, the values' zeros as rows of its first operand (decode_gluon's ZERO_ROWS:
 # 8 fewer products a page, 31 more register copies). Experiments in energy a page, for GPUs that run this kernel
-# power-capped (BENCHMARKS.md section 1, session 32)
+# power-capped. Measured on the H200 in one run (BENCHMARKS.md section 1, session 33, call 2): kitty-pro at batch 64 /
+# 32K 417.5 and 419.2 against 422.9 us, faster or equal at every shape for kitty-pro and kivi-k2v2. Not yet the
+# default: their combination (commit cb0dcc3) waits for its GPU tests
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-zero-heads", "gluon-tma-zero-rows", "gluon-tma-i8k", "gluon-tma-i8")
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
