@@ -139,20 +139,13 @@ def _b_operand(x, K: gl.constexpr):
     """(K, heads) tile in _cols_layout(K) -> the same registers as the second mma operand, rows in the order that
     _operand_columns gives the first operand's columns after _tile_products' unpacking. That unpacking pairs the
     bytes of a word as (0, 2) and (1, 3), which the page layout stores as consecutive columns (layout.SWAP): no byte
-    permutes here (the rows swapped in registers took 32 a kitty-pro page)."""
+    permutes here (the rows swapped in registers took 32 a kitty-pro page). A product with a first operand of ones
+    (a sum over rows) takes it too: there the order does not matter."""
     x = gl.permute(gl.reshape(x, [4, K // 16, 2, 2, HEADS]), [1, 2, 0, 3, 4])
     return gl.convert_layout(gl.reshape(x, [K, HEADS]), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
 
 
 HEADS = gl.constexpr(HEADS_PER_TILE)
-
-
-@gluon.jit
-def _b_any_order(x, K: gl.constexpr):
-    """(K, heads) tile in _cols_layout(K) -> the same registers as a second mma operand, rows in any order (for a
-    product with a first operand whose columns are all equal: a sum over rows)."""
-    x = gl.permute(gl.reshape(x, [4, K // 16, 2, 2, HEADS]), [1, 2, 0, 3, 4])
-    return gl.convert_layout(gl.reshape(x, [K, HEADS]), gl.DotOperandLayout(1, _mma(), 2), assert_trivial=True)
 
 
 @gluon.jit
@@ -257,7 +250,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
     ones = gl.full([G4, KC], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
     for c in gl.static_range(D // KC):
         q = q_s.index(c).load(cols)                     # the operands in fp16 arithmetic: 2 elements an instruction
-        zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
+        zq = mma_v2(ones, _b_operand(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
         b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC)
         s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC)
     if NB > 0:
@@ -365,7 +358,7 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.conste
     bs = ()
     for c in gl.static_range(D // KC):
         q = q_s.index(c).load(cols)
-        zq = mma_v2(ones, _b_any_order(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
+        zq = mma_v2(ones, _b_operand(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
         b = _mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None])
         amax = gl.maximum(amax, gl.max(gl.abs(b), axis=0))
         bs = bs + (b,)
@@ -495,8 +488,8 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         if ZERO_ROWS:
             l_t = mma_v2(_zero_rows(vzero_s.slice(i * G4, G4), G4), _b_operand(p, G4), l_t)
         else:
-            l_t = mma_v2(ones, _b_any_order(p, G4), l_t)
-            z_t = mma_v2(ones, _b_any_order(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
+            l_t = mma_v2(ones, _b_operand(p, G4), l_t)
+            z_t = mma_v2(ones, _b_operand(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
         pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
         codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
         if I8:
@@ -804,8 +797,9 @@ def _live_heads(GROUP: gl.constexpr, lay: gl.constexpr):
     """ZERO_HEADS (kernel="gluon-tma-zero-heads", an experiment): (1, HEADS) fp32 in `lay`, 1 for the group's heads
     and 0 for the tile's padding columns past it. The queries in shared memory (_queries) and the boosted channels'
     gathered ones (_key_scores) are multiplied by it, so that the matrix unit multiplies zeros in those columns
-    instead of copies of the last head's operands (on a power-capped GPU, operands that do not change may cost less
-    power)."""
+    instead of copies of the last head's operands. Measured on the H200 (kitty-pro, batch 64 / 32K): the arithmetic
+    alone drew 400 W instead of 426 at the same clock and time, and the power-capped paged launch took 383.7 us
+    instead of 392.6 (BENCHMARKS.md section 1, session 33, call 2)."""
     return gl.where(gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay)) < GROUP, 1.0, 0.0)[None, :]
 
 
