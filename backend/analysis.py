@@ -28,6 +28,7 @@ def page_lengths(cache, start: int, end: int) -> list[int] | None:
     pages form at lengths sink + k * G and value pages at sink + R + k * G. Between two of them a chunk of tokens
     sees exactly the cache that each of its tokens would see when decoded. None for other caches and for those that
     decode with the 8-bit kernels (fed one token at a time)."""
+    from kernels.decode_attention import kernel_parts
     from kernels.i8_reference import I8_KERNELS
 
     from .cache import KittyCache, KittyLayer
@@ -39,7 +40,7 @@ def page_lengths(cache, start: int, end: int) -> list[int] | None:
             continue
         # one sequence (teacher forcing): "auto" is the paper's schedule until a layer has seen its batch. A chunk
         # is attended with exact arithmetic: the 8-bit kernels' numbers come from decode steps alone
-        if layer.flush_spread not in (1, "auto") or layer.decode_kernel in I8_KERNELS:
+        if layer.flush_spread not in (1, "auto") or kernel_parts(layer.decode_kernel)[0] in I8_KERNELS:
             return None
         cfg = layer.config
         first = [cfg.sink + cfg.page_size] * (cfg.k_bits < 16) + \

@@ -61,8 +61,8 @@ import triton.testing
 
 # on a CPU: Triton interpreted
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
-                                      DecodeWorkspace, choose_kernel, decode_attention, decode_launches, default_splits,
-                                      gluon_maxnreg, multiprocessors, resident_programs, split_count)
+                                      DecodeWorkspace, check_kernel, choose_kernel, decode_attention, decode_launches,
+                                      default_splits, gluon_maxnreg, multiprocessors, resident_programs, split_count)
 from kernels.decode_rest import rest_blocks
 from kernels.layout import key_page_bytes, value_page_bytes
 
@@ -266,7 +266,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "timeline", "pad", "zeros")
+               "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "timeline", "pad", "experiments")
 
 
 def bench_tune(args) -> dict:
@@ -370,14 +370,15 @@ def bench_tune(args) -> dict:
                       # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD)
                       "pad": [{**gluon(cap), "loads": "whole", "pad": pad} for pad in (
                           None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16))],
-                      # the energy experiments against the default: zeros in the padding heads' operand columns
-                      # (kernel "gluon-tma-zero-heads": whether operands that do not change cost a power-capped GPU
-                      # less) and the sums of p in one product (kernel "gluon-tma-zero-rows": 8 HMMA a page fewer,
-                      # 31 register copies more), each whole, its paged launch alone and its arithmetic alone, with
-                      # the GPU's clock and power
-                      "zeros": [{**gluon(cap, kernel=k), "loads": half}
-                                for k in (default_gluon, "gluon-tma-zero-heads", "gluon-tma-zero-rows")
-                                for half in (None, "whole", "arithmetic")]}
+                      # the Gluon kernel's experiments (decode_attention.GLUON_EXPERIMENTS) against the default, each
+                      # whole, its paged launch alone and its arithmetic alone, with the GPU's clock and power: the
+                      # energy experiments together (zeros in the padding heads' columns, the sums of p in one
+                      # product), then with the keys' zero terms 16 pages a product, alone and with the energy ones,
+                      # and with the exponent's multiply-add folding the scores' weights
+                      "experiments": [{**gluon(cap, kernel=k), "loads": half} for k in (
+                          default_gluon, "gluon-tma+zero-heads+zero-rows", "gluon-tma+zq-ahead",
+                          "gluon-tma+zero-heads+zero-rows+zq-ahead", "gluon-tma+zero-heads+zero-rows+zq-ahead+fold-max")
+                          for half in (None, "whole", "arithmetic")]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                         and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA
@@ -1210,10 +1211,12 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--lengths", type=int, nargs="*")
     parser.add_argument("--methods", nargs="*")
-    parser.add_argument("--kernels", nargs="*", choices=KERNELS, default=["auto"],
-                        help="attention, quality, generate: decode kernels over the paged blocks, each measured "
-                             "(default: auto, the product's choice; gluon: GPU only, but the 8-bit kernels' "
-                             "arithmetic also runs on a CPU for quality; generate: each Kitty method with each)")
+    parser.add_argument("--kernels", nargs="*", type=check_kernel, default=["auto"],
+                        help=f"attention, quality, generate: decode kernels over the paged blocks, each measured: "
+                             f"{', '.join(KERNELS)}, or a Gluon kernel with experiments (gluon-tma+zero-heads ...: "
+                             f"decode_attention.GLUON_EXPERIMENTS) (default: auto, the product's choice; gluon: GPU "
+                             f"only, but the 8-bit kernels' arithmetic also runs on a CPU for quality; generate: each "
+                             f"Kitty method with each)")
     parser.add_argument("--pdl", choices=list(PDL_CHOICES), default="default",
                         help="attention: decode_attention's pdl (its three launches chained by programmatic dependent "
                              "launch): its default, off, on or both, each measured")

@@ -26,7 +26,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kernels import dequantize, flush, quantize
 from kernels.chunk_attention import chunk_attention
-from kernels.decode_attention import KERNELS, DecodeWorkspace, decode_attention, decode_attention_ref
+from kernels.decode_attention import (DecodeWorkspace, check_kernel, decode_attention, decode_attention_ref,
+                                      kernel_parts)
 from kernels.i8_reference import I8_KERNELS, decode_attention_i8_ref
 from kernels.layout import (FP_DTYPE, SCALE_DTYPE, PagedKV, boost_mask, key_page_bytes, key_plane_shape,
                             value_page_bytes, value_plane_shape)
@@ -75,9 +76,11 @@ class KittyLayer(CacheLayerMixin):
             raise ValueError(f"flush={flush!r} must be one of {FLUSH_MODES}: 'torch' quantizes a decode step's full "
                              "buffers with separate torch ops, 'fused' with one Triton kernel per kind, 'auto' "
                              "(default) fused on a GPU")
-        if decode_kernel not in KERNELS:
-            raise ValueError(f"decode_kernel={decode_kernel!r} must be one of {KERNELS}: the decode-attention kernel "
-                             "over a GPU cache's pages ('auto', the default, picks the faster for the launch)")
+        try:
+            check_kernel(decode_kernel)
+        except ValueError as error:
+            raise ValueError(f"decode_kernel={decode_kernel!r}: the decode-attention kernel over a GPU cache's pages "
+                             f"('auto', the default, picks the faster for the launch). {error}") from None
         self.config = config
         self.layer_idx = layer_idx
         self.use_triton = use_triton            # None: Triton for CUDA tensors, the PyTorch reference otherwise
@@ -86,7 +89,7 @@ class KittyLayer(CacheLayerMixin):
         self.spread_setting = flush_spread      # what was asked: steps, or "auto" (set per batch at initialization)
         self.flush_spread = flush_spread        # decode steps over which a batch's full buffers become pages
         self.flush = flush                      # how a decode step's full buffers become pages (FLUSH_MODES)
-        self.decode_kernel = decode_kernel      # decode_attention's kernel over the pages (KERNELS)
+        self.decode_kernel = decode_kernel      # decode_attention's kernel over the pages (check_kernel)
         # what this layer shares with the other layers of its cache (None: nothing): device -> DeviceIndices, and
         # "prompt_lengths" -> the last attention mask read (_prompt_lengths)
         self.shared_indices = shared_indices
@@ -272,9 +275,9 @@ class KittyLayer(CacheLayerMixin):
         if self._triton():
             return decode_attention(query[:, :, 0], self.paged(), scaling, workspace=self.workspace,
                                     kernel=self.decode_kernel).unsqueeze(1)
-        if self.decode_kernel in I8_KERNELS:        # the 8-bit kernels' arithmetic (their accuracy, on a CPU)
-            return decode_attention_i8_ref(query[:, :, 0], self.paged(), scaling,
-                                           values=I8_KERNELS[self.decode_kernel]).unsqueeze(1)
+        i8 = I8_KERNELS.get(kernel_parts(self.decode_kernel)[0])
+        if i8 is not None:                          # the 8-bit kernels' arithmetic (their accuracy, on a CPU)
+            return decode_attention_i8_ref(query[:, :, 0], self.paged(), scaling, values=i8).unsqueeze(1)
         return decode_attention_ref(query[:, :, 0], self.paged(), scaling).unsqueeze(1)
 
     def _attend_chunk(self, query, key, value, scaling, counts=None) -> torch.Tensor:

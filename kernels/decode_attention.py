@@ -591,8 +591,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
     return args, constants
 
 
-KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-zero-heads", "gluon-tma-zero-rows", "gluon-tma-i8k",
-           "gluon-tma-i8")
+KERNELS = ("auto", "triton", "gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 # The Gluon kernel (decode_gluon.py) spends about 1,380 instructions per page against Triton's 2,420
 # (`python -m kernels.sass_profile --kernel gluon`). Until session 12 it lost where programs take one or two pages
 # (batch 1, batch 8 at 4K): there the Triton kernel ran the remaining blocks in the same launch, and the Gluon kernel
@@ -615,15 +614,58 @@ GLUON_MAXNREG_FEW = 192
 # 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
 # kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
 # section 3, `python -m backend.bench quality`)
-# "gluon-tma-zero-heads": "gluon-tma" with zeros in the operand columns of the tile's padding heads (a group of 4
-# fills 4 of 8) instead of copies of the group's last head, and their probabilities 0 (decode_gluon's ZERO_HEADS):
-# the same numbers for the group's heads. "gluon-tma-zero-rows": "gluon-tma" with the sums of p and of p * zero in
-# one matrix product instead of two, the values' zeros as rows of its first operand (decode_gluon's ZERO_ROWS:
-# 8 fewer products a page, 31 more register copies). Experiments in energy a page, for GPUs that run this kernel
-# power-capped. Measured on the H200 in one run (BENCHMARKS.md section 1, session 33, call 2): kitty-pro at batch 64 /
-# 32K 417.5 and 419.2 against 422.9 us, faster or equal at every shape for kitty-pro and kivi-k2v2. Not yet the
-# default: their combination (commit cb0dcc3) waits for its GPU tests
-GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-zero-heads", "gluon-tma-zero-rows", "gluon-tma-i8k", "gluon-tma-i8")
+# Experiments: a Gluon kernel's name may add any of GLUON_EXPERIMENTS, "+name" each ("gluon-tma+zero-heads+zero-rows"),
+# so that one run can time them alone and together (decode_gluon.kernel_options turns them into the kernel's flags):
+# - "zero-heads": zeros in the operand columns of the tile's padding heads (a group of 4 fills 4 of 8) instead of
+#   copies of the group's last head, and their probabilities 0 (decode_gluon's ZERO_HEADS): the same numbers for the
+#   group's heads;
+# - "zero-rows": the sums of p and of p * zero in one matrix product instead of two, the values' zeros as rows of
+#   its first operand (decode_gluon's ZERO_ROWS: 8 fewer products a page, 31 more register copies);
+# - "zq-ahead": the keys' zero term sum_d q_d * zero_d of 16 pages a product, ZQ_SLOTS slots ahead, with the pages'
+#   zeros as the first operand's rows, instead of 8 products with ones a page (decode_gluon's ZQ_AHEAD);
+# - "fold-max": the scores' quarter weights and zero term applied in the exponent's multiply-add, after the page's
+#   maximum is taken from the unweighted sums (decode_gluon's FOLD_MAX: 32 fewer FADD a page, fp16 key products).
+# The first two are experiments in energy a page, for GPUs that run this kernel power-capped: measured on the H200
+# in one run (BENCHMARKS.md section 1, session 33, call 2), kitty-pro at batch 64 / 32K 417.5 and 419.2 against
+# 422.9 us, each faster or equal at every shape for kitty-pro and kivi-k2v2; their combination waits for its GPU
+# tests. The last two are written and not yet run on a GPU (session 34)
+GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
+GLUON_EXPERIMENTS = ("zero-heads", "zero-rows", "zq-ahead", "fold-max")
+
+
+def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
+    """decode_attention's `kernel` -> (its base, the experiments its name adds): ("gluon-tma", ("zero-heads",)) for
+    "gluon-tma+zero-heads". ValueError for a name decode_attention does not take: a base outside KERNELS,
+    experiments on a kernel that is not a Gluon kernel, an unknown or repeated experiment, or "fold-max" without
+    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms)."""
+    base, *extras = kernel.split("+")
+    if base not in KERNELS or (extras and base not in GLUON_KERNELS):
+        raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}, a Gluon kernel "
+                         f"({', '.join(GLUON_KERNELS)}) with experiments +{', +'.join(GLUON_EXPERIMENTS)}")
+    unknown = [e for e in extras if e not in GLUON_EXPERIMENTS or extras.count(e) > 1]
+    if unknown:
+        raise ValueError(f"decode kernel {kernel!r}: unknown or repeated experiments {unknown}; a Gluon kernel takes "
+                         f"each of +{', +'.join(GLUON_EXPERIMENTS)} once")
+    if "fold-max" in extras and (base.endswith(("i8k", "i8")) or "zq-ahead" not in extras):
+        raise ValueError(f"decode kernel {kernel!r}: fold-max folds the fp16 key products' weights and the zero "
+                         "terms of zq-ahead into the exponent: it takes a kernel with both")
+    return base, tuple(extras)
+
+
+def check_kernel(kernel) -> str:
+    """`kernel` if decode_attention takes it (kernel_parts), else ValueError naming the choices: the check of
+    make_cache's decode_kernel and the bench's --kernels."""
+    if not isinstance(kernel, str):
+        raise ValueError(f"decode kernel {kernel!r} is not a name: choose one of {', '.join(KERNELS)}")
+    kernel_parts(kernel)
+    return kernel
+
+
+def is_gluon(kernel: str) -> bool:
+    """Whether decode_attention's `kernel` (a name kernel_parts takes) is a Gluon kernel."""
+    return kernel_parts(kernel)[0] in GLUON_KERNELS
+
+
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
@@ -631,23 +673,25 @@ PDL = True
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
-    """The split of a launch of `kernel` ("triton" or one of GLUON_KERNELS) at its register cap: default_splits of
-    the programs a multiprocessor holds for the Triton kernel, balanced_splits of those (by registers and shared
-    memory) for the Gluon kernel."""
+    """The split of a launch of `kernel` ("triton" or a Gluon kernel) at its register cap: default_splits of the
+    programs a multiprocessor holds for the Triton kernel, balanced_splits of those (by registers and shared memory)
+    for the Gluon kernel."""
     shape = (q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device))
-    if kernel in GLUON_KERNELS:
+    if is_gluon(kernel):
         from . import decode_gluon
-        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg))
+        zq_ahead = decode_gluon.kernel_options(kernel)["zq_ahead"]
+        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, zq_ahead))
     return default_splits(*shape, resident_programs(maxnreg, num_warps))
 
 
-def gluon_maxnreg(q: torch.Tensor, kv: PagedKV, num_splits: int) -> int:
-    """The Gluon kernel's default register cap for a launch of num_splits programs per (sequence, KV head):
-    GLUON_MAXNREG_FEW where they are at most as many a multiprocessor as that cap leaves resident, else
+def gluon_maxnreg(q: torch.Tensor, kv: PagedKV, num_splits: int, kernel: str = "gluon-tma") -> int:
+    """The Gluon kernel's (`kernel`'s) default register cap for a launch of num_splits programs per (sequence, KV
+    head): GLUON_MAXNREG_FEW where they are at most as many a multiprocessor as that cap leaves resident, else
     GLUON_MAXNREG."""
     from . import decode_gluon
     per_sm = -(-q.shape[0] * kv.k_fp.shape[1] * num_splits // multiprocessors(q.device))
-    few = per_sm <= decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG_FEW)
+    zq_ahead = decode_gluon.kernel_options(kernel)["zq_ahead"]
+    few = per_sm <= decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG_FEW, zq_ahead)
     return GLUON_MAXNREG_FEW if few else GLUON_MAXNREG
 
 
@@ -675,10 +719,10 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
     same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
-    (choose_kernel). rest_warps / rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default:
-    decode_rest.rest_warps), their register cap (default: the compiler's) and blocks a program (default:
-    decode_rest.rest_blocks_per_program). pdl: the
-    three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
+    (choose_kernel); a Gluon kernel's name may add experiments, "+name" each (kernel_parts). rest_warps /
+    rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their
+    register cap (default: the compiler's) and blocks a program (default: decode_rest.rest_blocks_per_program). pdl:
+    the three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
     buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
                            rest_warps, pdl, rest_maxnreg, rest_blocks)()
@@ -717,21 +761,20 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     of them waits for the paged grid before it ends; the merge starts early too and waits for both grids before it
     reads a partial. Why: at batch 1 / 4K a call is three latency-bound launches in a row, 3.8 + 4.8 + 1.7 us and
     about 1 us of gaps, against SDPA's 9.2 (BENCHMARKS.md section 1, session 18)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
+    check_kernel(kernel)                            # a name it does not take: ValueError
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
     if kernel == "auto":
         kernel = choose_kernel(q, kv, num_warps)
-    elif kernel in GLUON_KERNELS:
+    elif is_gluon(kernel):
         from . import decode_gluon
         kernel = kernel if decode_gluon.supports_kernel(kernel, q, kv) else "triton"
     if num_splits is None:
-        num_splits = split_count(q, kv, kernel, maxnreg or (GLUON_MAXNREG if kernel in GLUON_KERNELS else MAXNREG),
+        num_splits = split_count(q, kv, kernel, maxnreg or (GLUON_MAXNREG if is_gluon(kernel) else MAXNREG),
                                  num_warps)
     if maxnreg is None:
-        maxnreg = gluon_maxnreg(q, kv, num_splits) if kernel in GLUON_KERNELS else MAXNREG
+        maxnreg = gluon_maxnreg(q, kv, num_splits, kernel) if is_gluon(kernel) else MAXNREG
     if rest_blocks is None:
         rest_blocks = rest_blocks_per_program(bsz * h, rest_parts(kv), multiprocessors(q.device), kv.k_table.shape[1])
     rest = rest_parts(kv, rest_blocks)
@@ -752,7 +795,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
                     rest_blocks)
 
-    if kernel in GLUON_KERNELS:
+    if is_gluon(kernel):
         from . import decode_gluon
         options = decode_gluon.kernel_options(kernel)
         descriptors = workspace.tma_descriptors(kv, d) if options["use_tma"] else None

@@ -227,11 +227,14 @@ def _chunk(K):
 
 @gluon.jit
 def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                NB: gl.constexpr, live=None):
+                NB: gl.constexpr, live=None, zq_row=None, FOLD: gl.constexpr = False):
     """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
     accumulator tiles. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS), taken times
     qk_scale / Q_SCALE in the fp32 sums; q_rows: (1, HEADS) pointers to the query rows, for the boosted channels'
-    gather (_queries); live: None, or _live_heads, which the gathered queries are multiplied by."""
+    gather (_queries); live: None, or _live_heads, which the gathered queries are multiplied by; zq_row: None, or
+    the page's zero term per head in log2 units (ZQ_AHEAD: _zero_terms), which then takes the place of the
+    products with ones and of the page's zeros. FOLD (FOLD_MAX, with zq_row): the 4 quarters' sums as they are,
+    without their weights and zero term (_value_products applies them)."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -250,7 +253,8 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
     ones = gl.full([G4, KC], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
     for c in gl.static_range(D // KC):
         q = q_s.index(c).load(cols)                     # the operands in fp16 arithmetic: 2 elements an instruction
-        zq = mma_v2(ones, _b_operand(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
+        if zq_row is None:
+            zq = mma_v2(ones, _b_operand(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
         b = _b_operand(_mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None]), KC)
         s0, s1, s2, s3 = _tile_products(klow_s.slice(c * G4, G4).load(_rows_layout(KC)), b, s0, s1, s2, s3, G4, KC)
     if NB > 0:
@@ -262,10 +266,68 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
             s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
                                             G4, NBC)
     s3 = _quarter3_sums(s0, s1, s2, s3)
+    if FOLD:
+        return s0, s1, s2, s3
     scale = qk_scale * (1.0 / Q_SCALE)
-    zq = zq * scale
+    if zq_row is None:
+        zq = zq * scale
+    else:
+        zq = zq_row[None, :]
     return (s0 * (_pick(QUARTER_WEIGHT, 0) * scale) + zq, s1 * (_pick(QUARTER_WEIGHT, 1) * scale) + zq,
             s2 * (_pick(QUARTER_WEIGHT, 2) * scale) + zq, s3 * (_pick(QUARTER_WEIGHT, 3) * scale) + zq)
+
+
+# ------------------------------------------------------------------------------ the keys' zero terms ahead (ZQ_AHEAD)
+# decode_attention(kernel="gluon-tma+zq-ahead", an experiment): the keys' zero term of a page, sum_d q_d * zero_d per
+# head, is a product of the page's D zeros with the queries. Page by page (_key_scores' products with ones) it takes
+# D / 16 matrix products whose 16 rows are all the same sum, and 16 HMUL2 for q * zero a kitty-pro page. Here the
+# zero vectors of 16 pages are the first operand's 16 rows, so that D / 16 products give 16 pages' terms: a program
+# computes its next ZQ_SLOTS slots' terms at once, into shared memory, and its page loop reads a row a page. The
+# products are exact (q * Q_SCALE and the zeros are fp16 operands; the product q * zero was rounded to fp16), and
+# the pages' zero vectors are no longer copied into the key buffers (gathered from global memory instead: 256
+# bytes a page at head_dim 128, in 16-byte loads).
+ZQ_SLOTS = gl.constexpr(64)         # slots a window: 2 KB of fp32 terms for 8 heads
+ZQ_PAGES = gl.constexpr(16)         # pages a product: the matrix instruction's rows
+
+
+@gluon.jit
+def _zero_terms(zq_s, q_s, ktab, first, end, kzero_ptr, h, scale, H: gl.constexpr, D: gl.constexpr):
+    """ZQ_AHEAD: the keys' zero terms of slots first .. first + ZQ_SLOTS - 1 (those before end; ktab: the
+    sequence's key page table), sum_d q_d * zero_d * scale per head (scale: qk_scale / Q_SCALE, so log2 units as
+    _key_scores' sums), into zq_s (ZQ_SLOTS, HEADS) fp32, ZQ_PAGES pages a product chain: their zero vectors,
+    gathered from kzero_ptr (pages x D, fp16), as the first operand's rows (columns in operand order: _a_operand),
+    the queries times Q_SCALE in q_s as the second (_b_operand: the same order). Rows past `end` are zero."""
+    mma: gl.constexpr = _mma()
+    rows: gl.constexpr = _rows_layout(KC)
+    cols: gl.constexpr = _cols_layout(KC)
+    r = gl.arange(0, ZQ_PAGES, layout=gl.SliceLayout(1, rows))
+    d = gl.arange(0, KC, layout=gl.SliceLayout(0, rows))
+    for g in gl.static_range(ZQ_SLOTS // ZQ_PAGES):
+        if first + g * ZQ_PAGES < end:
+            slot = first + g * ZQ_PAGES + r
+            live = slot < end
+            page = gl.load(ktab + slot, mask=live, other=0).to(gl.int64) * H + h
+            zq = gl.zeros([ZQ_PAGES, HEADS], gl.float32, mma)
+            for c in gl.static_range(D // KC):
+                zero = gl.load(kzero_ptr + page[:, None] * D + (c * KC + d)[None, :], mask=live[:, None], other=0.0)
+                zq = mma_v2(_a_operand(zero, ZQ_PAGES, KC), _b_operand(q_s.index(c).load(cols), KC), zq)
+            zq_s.index(g).store(zq * scale)
+
+
+@gluon.jit
+def _zero_term_buffer(ZQ_AHEAD: gl.constexpr):
+    """ZQ_AHEAD's window of terms in shared memory, (ZQ_SLOTS / ZQ_PAGES, ZQ_PAGES, HEADS) fp32, row-major (a
+    placeholder of one product's terms without, which nothing uses)."""
+    return gl.allocate_shared_memory(gl.float32, [ZQ_SLOTS // ZQ_PAGES if ZQ_AHEAD else 1, ZQ_PAGES, HEADS],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+
+@gluon.jit
+def _zero_term(zq_s, i):
+    """Row i of the window in zq_s (_zero_term_buffer): slot first + i's terms, (HEADS,) in the layout of the
+    scores' columns."""
+    terms = zq_s._reinterpret(gl.float32, [ZQ_SLOTS, HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    return terms.index(i).load(gl.SliceLayout(0, _mma()))
 
 
 # ------------------------------------------------------------------------------------ 8-bit key products (I8)
@@ -341,9 +403,9 @@ def _i8_round(x, r, K: gl.constexpr):
 
 @gluon.jit
 def _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                   NB: gl.constexpr):
+                   NB: gl.constexpr, zq_row=None):
     """_key_scores with the key products in 8-bit integers (see I8_QUARTER_ASM). Boosted channels: one chunk of
-    32."""
+    32. zq_row: as _key_scores'."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -358,7 +420,8 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.conste
     bs = ()
     for c in gl.static_range(D // KC):
         q = q_s.index(c).load(cols)
-        zq = mma_v2(ones, _b_operand(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
+        if zq_row is None:
+            zq = mma_v2(ones, _b_operand(_mul2(q, kzero_s.slice(c * KC, KC).load(vec)[:, None]), KC), zq)
         b = _mul2(q, kscale_s.slice(c * KC, KC).load(vec)[:, None])
         amax = gl.maximum(amax, gl.max(gl.abs(b), axis=0))
         bs = bs + (b,)
@@ -379,7 +442,10 @@ def _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.conste
         s0, s1, s2, s3 = _i8_tile_products(khigh_s.load(_rows_layout(NB)), _i8_round(b_nb, r[None, :], NB), s0, s1,
                                            s2, s3, NB)
     scale = gl.convert_layout(qk_scale * (1.0 / Q_SCALE) / r.to(gl.float32), i8)
-    zq = gl.max(zq, axis=0) * (qk_scale * (1.0 / Q_SCALE))
+    if zq_row is None:
+        zq = gl.max(zq, axis=0) * (qk_scale * (1.0 / Q_SCALE))
+    else:
+        zq = zq_row
     return (_i8_scores(s0, scale * _pick(I8_QUARTER_WEIGHT, 0), zq),
             _i8_scores(s1, scale * _pick(I8_QUARTER_WEIGHT, 1), zq),
             _i8_scores(s2, scale * _pick(I8_QUARTER_WEIGHT, 2), zq),
@@ -446,7 +512,8 @@ def _zero_rows(zero_s, K: gl.constexpr):
 
 @gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr, ZERO_ROWS: gl.constexpr = False):
+                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr, ZERO_ROWS: gl.constexpr = False,
+                    fold_zq=None, scale=1.0):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in vbufs
     accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @ (p * scale)
     (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t: (16 * warps,
@@ -457,12 +524,19 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. With fp16 products, acc3 sums the whole bytes'
     products (QUARTER_ASM), which are linear in the page sums like the others: the kernel takes the other quarters off
     once, at its end (_quarter3_sums). ZERO_ROWS (kernel="gluon-tma-zero-rows", an experiment): both sums in l_t, by one
-    product a 16 tokens with the zeros as the first operand's rows (_zero_rows), and z_t unused."""
+    product a 16 tokens with the zeros as the first operand's rows (_zero_rows), and z_t unused. fold_zq (FOLD_MAX, an
+    experiment): s0 .. s3 are the key products' unweighted sums (_key_scores' FOLD), fold_zq the page's zero terms
+    (log2 units) and scale qk_scale / Q_SCALE: the page's maximum is taken from each quarter's sums' maximum over the
+    rows a thread holds, times its weight (the weights are positive), and each score's weight and the zero term less
+    the running max go into the exponent's one multiply-add (_folded_max)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
     vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    page_max = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
+    if fold_zq is None:
+        page_max = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
+    else:
+        page_max = _folded_max(s0, s1, s2, s3, scale) + fold_zq
     m_new = gl.maximum(m_i, page_max)
     alpha = gl.exp2(m_i - m_new)[None, :]
     l_t = l_t * alpha
@@ -482,9 +556,15 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     scores = (s0, s1, s2, s3)
     tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
     ones = gl.full([16, G4], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
+    if fold_zq is not None:
+        offset = (fold_zq - m_new)[None, :]
     for i in gl.static_range(4):
         # the probabilities in fp16, as (token, head) operands, then times the tokens' scales and zeros in fp16
-        p = gl.convert_layout(gl.exp2(scores[i] - m_new[None, :]).to(DOT), _cols_layout(G4))
+        if fold_zq is None:
+            x = scores[i] - m_new[None, :]
+        else:
+            x = scores[i] * (_pick(QUARTER_WEIGHT, i) * scale) + offset
+        p = gl.convert_layout(gl.exp2(x).to(DOT), _cols_layout(G4))
         if ZERO_ROWS:
             l_t = mma_v2(_zero_rows(vzero_s.slice(i * G4, G4), G4), _b_operand(p, G4), l_t)
         else:
@@ -509,6 +589,26 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         acc2 = _i8_accumulate(acc2, alpha, i2, k)
         acc3 = _i8_accumulate(acc3, alpha, i3, -k)                   # quarter 3 sums -64 * codes (I8_QUARTER_ASM)
     return m_new, l_t, z_t, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _rows_max(s):
+    """An (R, HEADS) accumulator tile's maximum over the rows each thread holds (rows r + 8k of its lanes' r):
+    (8, HEADS), its rows on the lanes, without crossing a lane."""
+    R: gl.constexpr = s.shape[0]
+    return gl.max(gl.reshape(s, [R // 8, 8, HEADS]), axis=0)
+
+
+@gluon.jit
+def _folded_max(s0, s1, s2, s3, scale):
+    """FOLD_MAX: the largest weighted score of the 4 quarters' unweighted sums, per head, without the zero term:
+    each quarter's maximum over its thread's rows (_rows_max) times its weight QUARTER_WEIGHT[i] * scale (positive),
+    then the largest of the 4 and over the lanes. (HEADS,) in the layout of the scores' columns."""
+    a = gl.maximum(_rows_max(s0) * (_pick(QUARTER_WEIGHT, 0) * scale),
+                   _rows_max(s1) * (_pick(QUARTER_WEIGHT, 1) * scale))
+    b = gl.maximum(_rows_max(s2) * (_pick(QUARTER_WEIGHT, 2) * scale),
+                   _rows_max(s3) * (_pick(QUARTER_WEIGHT, 3) * scale))
+    return gl.convert_layout(gl.max(gl.maximum(a, b), axis=0), gl.SliceLayout(0, _mma()))
 
 
 # ---------------------------------------------------------------------------------------------- slot buffers
@@ -613,14 +713,16 @@ def _tma_vector(desc, row, bar, buf, N: gl.constexpr, DTYPE: gl.constexpr, BITS:
 
 @gluon.jit
 def _tma_keys(kbufs, bar, kpage, klow_d, khigh_d, kch_d, kscale_d, kzero_d, D: gl.constexpr, G: gl.constexpr,
-              NB: gl.constexpr):
-    """TMA of key page `kpage`'s tiles into kbufs, counted on mbarrier bar."""
+              NB: gl.constexpr, ZEROS: gl.constexpr = True):
+    """TMA of key page `kpage`'s tiles into kbufs, counted on mbarrier bar (its zeros only where ZEROS: without,
+    ZQ_AHEAD, nothing reads them there)."""
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     G4: gl.constexpr = G // 4
-    mbarrier.expect(bar, G4 * (D + NB) + NB + 4 * D)
+    mbarrier.expect(bar, G4 * (D + NB) + NB + (4 if ZEROS else 2) * D)
     _tma_plane(klow_d, kpage, bar, klow_s, D // KC, G4, KC)
     _tma_vector(kscale_d, kpage.to(gl.int32), bar, kscale_s, D, gl.float16, 16)
-    _tma_vector(kzero_d, kpage.to(gl.int32), bar, kzero_s, D, gl.float16, 16)
+    if ZEROS:
+        _tma_vector(kzero_d, kpage.to(gl.int32), bar, kzero_s, D, gl.float16, 16)
     if NB > 0:
         NBC: gl.constexpr = _chunk(NB)
         _tma_plane(khigh_d, kpage, bar, khigh_s, NB // NBC, G4, NBC)
@@ -657,13 +759,13 @@ def _barrier_pair():
 
 @gluon.jit
 def _fetch_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D: gl.constexpr, G: gl.constexpr,
-                NB: gl.constexpr, TMA: gl.constexpr):
+                NB: gl.constexpr, TMA: gl.constexpr, ZEROS: gl.constexpr = True):
     """Key page `kpage` on its way into kbufs: by TMA on kbar (klow...: tensor descriptors), or as one cp.async
-    group (klow...: pointers)."""
+    group (klow...: pointers); its zeros only where ZEROS."""
     if TMA:
-        _tma_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D, G, NB)
+        _tma_keys(kbufs, kbar, kpage, klow, khigh, kch, kscale, kzero, D, G, NB, ZEROS)
     else:
-        _copy_keys(kbufs, kpage, klow, khigh, kch, kscale, kzero, D, G, NB)
+        _copy_keys(kbufs, kpage, klow, khigh, kch, kscale, kzero, D, G, NB, ZEROS)
 
 
 @gluon.jit
@@ -707,12 +809,13 @@ def _waited(bar, phase, TMA: gl.constexpr, cycles, WAITS: gl.constexpr):
 
 @gluon.jit
 def _copy_keys(kbufs, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D: gl.constexpr,
-               G: gl.constexpr, NB: gl.constexpr):
-    """cp.async of key page `kpage`'s tiles into kbufs."""
+               G: gl.constexpr, NB: gl.constexpr, ZEROS: gl.constexpr = True):
+    """cp.async of key page `kpage`'s tiles into kbufs (its zeros only where ZEROS)."""
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     _copy_plane(klow_s, klow_ptr, kpage, G // 4, D)
     _copy_vector(kscale_s, kscale_ptr + kpage * D, D, 2)
-    _copy_vector(kzero_s, kzero_ptr + kpage * D, D, 2)
+    if ZEROS:
+        _copy_vector(kzero_s, kzero_ptr + kpage * D, D, 2)
     if NB > 0:
         _copy_plane(khigh_s, khigh_ptr, kpage, G // 4, NB)
         _copy_vector(ch_s, kch_ptr + kpage * NB, NB, 1)
@@ -744,10 +847,11 @@ _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 @gluon.jit
 def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
                  kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
-                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr):
+                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr,
+                 ZEROS: gl.constexpr = True):
     """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split), its slot buffers
-    with the first slot's pages on their way (keys then values: _fetch_keys), and the page ids the loop starts
-    from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
+    with the first slot's pages on their way (keys then values: _fetch_keys; the keys' zeros where ZEROS), and the
+    page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
     per_split = gl.cdiv(n_paged, NSPLIT)
     start = part * per_split
@@ -760,7 +864,7 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
     kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
     vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
     if start < end:
-        _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
+        _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA, ZEROS)
         _commit(TMA)
         _fetch_values(vbufs, vbar, vpage, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
         _commit(TMA)
@@ -815,20 +919,24 @@ TIMES_ROW = gl.constexpr(8)
 @gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART", "pad_zero"])
 def _gluon_paged_kernel(
         q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
-        vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kscale_rows,
+        vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kscale_rows, kzero_rows,
         ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr,
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZERO_HEADS: gl.constexpr = False,
-        ZERO_ROWS: gl.constexpr = False, PDL: gl.constexpr = False,
+        ZERO_ROWS: gl.constexpr = False, ZQ_AHEAD: gl.constexpr = False, FOLD_MAX: gl.constexpr = False,
+        PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
         PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
-    tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows: the
-    key scales as a pointer, for the boosted channels' gather. ZERO_HEADS: zeros in the padding heads' operand columns
-    (_live_heads); ZERO_ROWS: the sums of p and of p * zero in one product (_zero_rows). PDL: the remaining blocks'
+    tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows /
+    kzero_rows: the key scales and zeros as pointers, for the boosted channels' gather and ZQ_AHEAD's. Experiments
+    (decode_attention.GLUON_EXPERIMENTS): ZERO_HEADS, zeros in the padding heads' operand columns (_live_heads);
+    ZERO_ROWS, the sums of p and of p * zero in one product (_zero_rows); ZQ_AHEAD, the keys' zero terms a window of
+    ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the page loop nested in the loop over windows
+    (without it, one window of all the slots). PDL: the remaining blocks'
     kernel after it may start at once (decode_launches' pdl). Two measurements that are not attention (`python -m
     backend.bench tune --vary loads`): COMPUTE=False, the page loop's copies, waits and barriers only (the memory
     pipeline's own ceiling); COPIES=False, its products and barriers only, over the first slot's pages again and again
@@ -859,9 +967,12 @@ def _gluon_paged_kernel(
     else:
         kbar = 0                                    # cp.async groups need no barrier
         vbar = 0
+    ZQ: gl.constexpr = ZQ_AHEAD and COMPUTE
+    FOLD: gl.constexpr = FOLD_MAX and ZQ and I8 == 0              # decode_attention.kernel_parts: with zq-ahead
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA)
+        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA, not ZQ)
+    zq_s = _zero_term_buffer(ZQ)
     live = None
     if ZERO_HEADS:
         live = _live_heads(GROUP, _cols_layout(KC))
@@ -883,42 +994,57 @@ def _gluon_paged_kernel(
     if not COPIES:                                  # the first slot's pages, then no copies and no waits
         _arrived(kbar, 0, TMA)
         _arrived(vbar, 0, TMA)
-    for slot in range(start, end):
-        more = COPIES and slot + 1 < end
-        kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-        vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-        if COPIES:
-            # this slot's keys are in (its values may not be)
-            key_wait = _waited(kbar, phase, TMA, key_wait, WAITS)
-        _BARRIER()                                  # ... for every lane (and, the first time, the queries)
-        if not COMPUTE:
-            pass
-        elif I8 > 0:
-            s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB)
-        else:
-            s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, live)
-            if PAD_N > 0:
-                s0 = _pad(s0, pad_zero, PAD, PAD_N)
-        _BARRIER()                                  # every lane's key reads are done: refill the key buffer
-        if more:
-            _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
-        _commit(TMA)
-        if COPIES:
-            # this slot's values are in (the next slot's keys may not be)
-            value_wait = _waited(vbar, phase, TMA, value_wait, WAITS)
-        _BARRIER()
-        if COMPUTE:
-            m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
-                                                                    acc1, acc2, acc3, D, G, V_BITS, I8 == 2,
-                                                                    ZERO_ROWS)
-        _BARRIER()                                  # the value reads are done: refill the value buffer
-        if more:
-            _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
-        _commit(TMA)
-        phase = phase ^ 1
-        kpage = kpage_next
-        kpage_next = kpage_after
-        vpage_next = vpage_after
+    # ZQ_AHEAD: windows of ZQ_SLOTS slots, each one's keys' zero terms first; without, one window of all the slots
+    window: gl.constexpr = ZQ_SLOTS if ZQ else 1 << 30
+    for first in range(start, end, window):
+        if ZQ:
+            _BARRIER()                              # the queries (the first time), every lane's reads of the terms
+            _zero_terms(zq_s, q_s, ktab, first, end, kzero_rows, h, qk_scale * (1.0 / Q_SCALE), H, D)
+            _BARRIER()
+        for slot in range(first, gl.minimum(first + window, end)):
+            more = COPIES and slot + 1 < end
+            kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
+            vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
+            if COPIES:
+                # this slot's keys are in (its values may not be)
+                key_wait = _waited(kbar, phase, TMA, key_wait, WAITS)
+            _BARRIER()                              # ... for every lane (and, the first time, the queries)
+            zq_row = None
+            if ZQ:
+                zq_row = _zero_term(zq_s, slot - first)
+            if not COMPUTE:
+                pass
+            elif I8 > 0:
+                s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, zq_row)
+            else:
+                s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, live,
+                                             zq_row, FOLD)
+                if PAD_N > 0:
+                    s0 = _pad(s0, pad_zero, PAD, PAD_N)
+            _BARRIER()                              # every lane's key reads are done: refill the key buffer
+            if more:
+                _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB,
+                            TMA, not ZQ)
+            _commit(TMA)
+            if COPIES:
+                # this slot's values are in (the next slot's keys may not be)
+                value_wait = _waited(vbar, phase, TMA, value_wait, WAITS)
+            _BARRIER()
+            if COMPUTE:
+                fold_zq = None
+                if FOLD:
+                    fold_zq = zq_row
+                m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
+                                                                        acc1, acc2, acc3, D, G, V_BITS, I8 == 2,
+                                                                        ZERO_ROWS, fold_zq, qk_scale * (1.0 / Q_SCALE))
+            _BARRIER()                              # the value reads are done: refill the value buffer
+            if more:
+                _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
+            _commit(TMA)
+            phase = phase ^ 1
+            kpage = kpage_next
+            kpage_next = kpage_after
+            vpage_next = vpage_after
     if not TMA:
         async_copy.wait_group(0)
 
@@ -1018,24 +1144,25 @@ CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one 
 TMA_BARRIERS = 128                  # the mbarriers' allocation (BARRIER_SLOTS)
 
 
-def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False) -> int:
+def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, zq_ahead: bool = False) -> int:
     """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers (the boosted channels'
     list padded to TMA_ALIGN), the conversion scratch and, with TMA, the mbarriers' allocation (the placeholders of
     planes the method lacks are never used, and the compiler drops them; tests/test_kernels.py checks this against
-    compiled kernels)."""
+    compiled kernels); with zq_ahead (ZQ_AHEAD), the window of the keys' zero terms instead of the keys' zeros."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
-    key = g // 4 * (d + nb) + (max(nb, TMA_ALIGN.value) if nb else 0) + 4 * d
+    key = g // 4 * (d + nb) + (max(nb, TMA_ALIGN.value) if nb else 0) + (2 if zq_ahead else 4) * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
-    return 16 * d + CONVERT_SCRATCH + key + value + (TMA_BARRIERS if use_tma else 0)
+    terms = ZQ_SLOTS.value * HEADS_PER_TILE * 4 if zq_ahead else 0
+    return 16 * d + CONVERT_SCRATCH + key + value + terms + (TMA_BARRIERS if use_tma else 0)
 
 
-def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int) -> int:
-    """Programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers and by shared memory. A
-    warp's registers come from one of the 4 schedulers' files of 16,384 (in steps of 8 a thread), so 129 to 170
-    registers a thread leave 3 warps a scheduler, 12 one-warp programs (ncu on the H200 at 144 and 168 registers:
-    BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
+def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, zq_ahead: bool = False) -> int:
+    """Programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers and by shared memory
+    (shared_bytes; zq_ahead: ZQ_AHEAD's). A warp's registers come from one of the 4 schedulers' files of 16,384 (in
+    steps of 8 a thread), so 129 to 170 registers a thread leave 3 warps a scheduler, 12 one-warp programs (ncu on
+    the H200 at 144 and 168 registers: BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
     by_registers = 4 * (16384 // (32 * (-(-maxnreg // 8) * 8)))
-    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim) + SHARED_RESERVED)
+    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, zq_ahead=zq_ahead) + SHARED_RESERVED)
     return max(1, min(by_registers, by_shared))
 
 
@@ -1067,21 +1194,21 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
-                     use_tma: bool = False, descriptors: tuple | None = None,
-                     i8: int = 0, zero_heads: bool = False, zero_rows: bool = False) -> tuple[tuple, dict]:
+                     use_tma: bool = False, descriptors: tuple | None = None, i8: int = 0,
+                     **experiments: bool) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
-    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here), i8, zero_heads
-    and zero_rows the kernel's I8, ZERO_HEADS and ZERO_ROWS (kernel_options). Also used to compile the kernel for a
-    profile (kernels.sass_profile)."""
+    use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here), i8 the kernel's
+    I8, experiments its experiments' flags by kernel_options' names (zero_heads: ZERO_HEADS, ...). Also used to
+    compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
     pages = (descriptors or tma_descriptors(kv, d)) if use_tma else page_tensors(kv)
-    args = (q, *pages, kv.k_scale, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m, part_l,
-            qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
+    args = (q, *pages, kv.k_scale, kv.k_zero, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m,
+            part_l, qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     I8=i8, ZERO_HEADS=zero_heads, ZERO_ROWS=zero_rows)
+                     I8=i8, **{name.upper(): on for name, on in experiments.items()})
     return args, constants
 
 
@@ -1092,41 +1219,43 @@ def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
             and kv.n_boost in (0, 16, 32, 64, 128))
 
 
-# decode_attention's Gluon kernels -> the kernel's I8: 0 fp16 operands, 1 the key products in 8-bit integers, 2 the
-# value products too
-I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-zero-heads": 0, "gluon-tma-zero-rows": 0, "gluon-tma-i8k": 1,
-               "gluon-tma-i8": 2}
+# decode_attention's Gluon kernels (decode_attention.GLUON_KERNELS) -> the kernel's I8: 0 fp16 operands, 1 the key
+# products in 8-bit integers, 2 the value products too
+I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2}
 
 
 def kernel_options(kernel: str) -> dict:
-    """decode_attention's Gluon `kernel` -> launch's (and kernel_arguments') options that make it: use_tma, i8,
-    zero_heads, zero_rows."""
-    return dict(use_tma=kernel != "gluon", i8=I8_PRODUCTS[kernel], zero_heads=kernel == "gluon-tma-zero-heads",
-                zero_rows=kernel == "gluon-tma-zero-rows")
+    """decode_attention's Gluon `kernel`, with the experiments its name adds (decode_attention.kernel_parts) ->
+    launch's (and kernel_arguments') options that make it: use_tma, i8, zero_heads, zero_rows, zq_ahead,
+    fold_max."""
+    from .decode_attention import GLUON_EXPERIMENTS, kernel_parts
+    base, extras = kernel_parts(kernel)
+    return dict(use_tma=base != "gluon", i8=I8_PRODUCTS[base],
+                **{e.replace("-", "_"): e in extras for e in GLUON_EXPERIMENTS})
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
-    """Whether decode_attention's `kernel` (a key of I8_PRODUCTS) takes this launch: the 8-bit key products take
-    boosted channels in one chunk of 32 or none, the 8-bit value products pages of 128 and 2-bit values."""
-    if kernel == "gluon":
+    """Whether decode_attention's Gluon `kernel` takes this launch: the 8-bit key products take boosted channels in
+    one chunk of 32 or none, the 8-bit value products pages of 128 and 2-bit values."""
+    options = kernel_options(kernel)
+    if not options["use_tma"]:
         return supports(q, kv)
-    i8 = I8_PRODUCTS[kernel]
+    i8 = options["i8"]
     return (supports_tma(q, kv) and (i8 < 1 or kv.n_boost in (0, 32))
             and (i8 < 2 or (kv.page_size == 128 and kv.v_bits == 2)))
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
-           zero_heads: bool = False, zero_rows: bool = False, compute: bool = True, copies: bool = True,
-           times: torch.Tensor | None = None, waits: bool = False, pad: tuple[str, int] | None = None) -> None:
+           compute: bool = True, copies: bool = True, times: torch.Tensor | None = None, waits: bool = False,
+           pad: tuple[str, int] | None = None, **experiments: bool) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only);
-    zero_heads / zero_rows: the experiments ZERO_HEADS / ZERO_ROWS (kernel_options).
+    experiments: the experiments' flags (kernel_options: zero_heads, zero_rows, zq_ahead, fold_max).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
     TIMES_ROW a program), each program's start, end and multiprocessor, and with waits its cycles waiting for keys
     and for values and in all (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, zero_heads,
-                                       zero_rows)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, **experiments)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, WAITS=waits,
         **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,

@@ -90,13 +90,14 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
-                         pdl: bool = False, i8: int = 0, zero_heads: bool = False, zero_rows: bool = False,
-                         compute: bool = True, copies: bool = True, times: bool = False, waits: bool = False,
-                         pad: tuple[str, int] | None = None):
+                         pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
+                         times: bool = False, waits: bool = False, pad: tuple[str, int] | None = None,
+                         **experiments: bool):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
     bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline, with
-    waits also its waits for pages; pad: (kind, instructions a page) more, --vary pad)."""
+    waits also its waits for pages; pad: (kind, instructions a page) more, --vary pad; experiments: the flags of
+    decode_gluon.kernel_options, zero_heads=True ...)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels.decode_gluon import TIMES_ROW, _gluon_paged_kernel, kernel_arguments
@@ -104,8 +105,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
              torch.zeros(1, heads * group, splits))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8, zero_heads=zero_heads,
-                                       zero_rows=zero_rows)
+    args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8, **experiments)
     return _compile(GluonASTSource, _gluon_paged_kernel, args,
                     {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies,
                      **({} if times else {"times_ptr": None}), "WAITS": waits, "PAD": pad[0] if pad else "",
@@ -146,6 +146,10 @@ def _compile(source_class, fn, args, constants, arch, options, named: dict | Non
             signature[name] = mangle_type(value)
         else:
             signature[name] = "fp32" if isinstance(value, float) else "i32"
+    # every compile-time constant, the defaults too: Triton's cache key joins their values without their names, so
+    # that {A: True} and {B: True} (A, B defaulting to False) would share a key, and a profile would read the kernel
+    # compiled first
+    constants = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constants}
     signature.update({name: "constexpr" for name in constants})
     source = source_class(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
@@ -195,8 +199,17 @@ def _loop_bodies(lines: list[str]) -> list[list[str]]:
     return bodies
 
 
+def _kernel_name(kernel: str) -> str:
+    """--kernel's type: "rest", or a kernel decode_attention takes other than "auto" (argparse reports the
+    ValueError)."""
+    from kernels.decode_attention import kernel_parts
+    if kernel != "rest" and (kernel == "auto" or kernel_parts(kernel) is None):
+        raise ValueError(kernel)
+    return kernel
+
+
 def main(argv=None) -> int:
-    from kernels.decode_attention import GLUON_KERNELS
+    from kernels.decode_attention import is_gluon
     parser = argparse.ArgumentParser(prog="python -m kernels.sass_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", nargs="*", default=["kitty-pro", "kitty", "kivi-k2v2"])
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -206,10 +219,10 @@ def main(argv=None) -> int:
                         help="warps per program (the Triton kernel's num_warps, or the rest kernel's rest_warps; the "
                              "Gluon kernel's programs are one warp)")
     parser.add_argument("--stages", type=int, default=3, help="software-pipelining depth (Triton's num_stages)")
-    parser.add_argument("--kernel", default="triton",
-                        choices=["triton", *GLUON_KERNELS, "rest"],
-                        help="decode_attention's kernel over the paged blocks (gluon*: "
-                             "kernels/decode_gluon.py), or the one over the remaining blocks (rest: "
+    parser.add_argument("--kernel", default="triton", type=_kernel_name,
+                        help="decode_attention's kernel over the paged blocks (triton, or gluon*: "
+                             "kernels/decode_gluon.py, with experiments as decode_attention takes them, "
+                             "gluon-tma+zq-ahead ...), or the one over the remaining blocks (rest: "
                              "kernels/decode_rest.py, with a loop over blocks only where --rest-blocks > 1)")
     parser.add_argument("--rest-blocks", type=int, default=1,
                         help="the rest kernel's blocks a program (decode_rest.rest_blocks_per_program: 1 compiles "
@@ -228,7 +241,7 @@ def main(argv=None) -> int:
         return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
-        if args.kernel.startswith("gluon"):
+        if args.kernel != "rest" and is_gluon(args.kernel):
             from backend.methods import method_config
             from kernels.decode_gluon import kernel_options
             options = kernel_options(args.kernel)

@@ -266,8 +266,8 @@ def test_decode_on_the_triton_path_never_rebuilds_pages(monkeypatch):
 
 def test_decode_kernel_setting_reaches_every_decode_step_and_bad_values_are_refused(monkeypatch):
     """make_cache(decode_kernel=...) is the kernel each decode step asks decode_attention for (on a CPU "gluon"
-    runs the Triton kernel, interpreted: the same tokens as the reference path); other values are refused, naming
-    the setting."""
+    runs the Triton kernel, interpreted: the same tokens as the reference path), a Gluon kernel with experiments
+    too; other values are refused, naming the setting."""
     cfg = method_config("kitty", page_size=16, local_window=16, sink=4)
     model = tiny_model(heads=4, kv_heads=2, layers=1)
     ids = torch.randint(3, 256, (2, 44), generator=torch.Generator().manual_seed(3))
@@ -277,21 +277,25 @@ def test_decode_kernel_setting_reaches_every_decode_step_and_bad_values_are_refu
     got = feed(model, ids, make_cache(model, cfg, use_triton=True, decode_kernel="gluon"), prefix=40)
     assert asked and set(asked) == {"gluon"}
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
-    with pytest.raises(ValueError, match="decode_kernel"):
-        make_cache(model, cfg, decode_kernel="cuda")
+    assert make_cache(model, cfg, decode_kernel="gluon-tma+zq-ahead+fold-max").layers[0].decode_kernel == \
+        "gluon-tma+zq-ahead+fold-max"
+    for bad in ("cuda", "gluon-tma+fold-max", "triton+zero-heads", None):
+        with pytest.raises(ValueError, match="decode_kernel"):
+            make_cache(model, cfg, decode_kernel=bad)
 
 
 def test_the_8bit_kernels_arithmetic_decodes_on_the_reference_path(monkeypatch):
-    """make_cache(decode_kernel="gluon-tma-i8k" / "gluon-tma-i8") without Triton decodes with kernels/i8_reference.py
-    (its values rounded only for "gluon-tma-i8"): the logits move off the exact reference's, by little; teacher
-    forcing feeds such a cache one token a step (a chunk would be attended exactly: analysis.page_lengths)."""
+    """make_cache(decode_kernel="gluon-tma-i8k" / "gluon-tma-i8", with experiments or not) without Triton decodes with
+    kernels/i8_reference.py (its values rounded only for "gluon-tma-i8"): the logits move off the exact reference's,
+    by little; teacher forcing feeds such a cache one token a step (a chunk would be attended exactly:
+    analysis.page_lengths)."""
     from backend import analysis
     cfg = method_config("kitty", page_size=16, local_window=16, sink=4)
     model = tiny_model(heads=6, kv_heads=2, layers=1)
     ids = torch.randint(3, 256, (2, 80), generator=torch.Generator().manual_seed(3))
     exact = feed(model, ids, make_cache(model, cfg, use_triton=False), prefix=40)
     real = backend.cache.decode_attention_i8_ref
-    for kernel, values in (("gluon-tma-i8k", False), ("gluon-tma-i8", True)):
+    for kernel, values in (("gluon-tma-i8k", False), ("gluon-tma-i8+zero-heads+zq-ahead", True)):
         asked = []
         monkeypatch.setattr(backend.cache, "decode_attention_i8_ref",
                             lambda *a, **k: asked.append(k["values"]) or real(*a, **k))

@@ -23,9 +23,10 @@ from paged_factory import random_paged_kv
 from backend.cache import KittyLayer
 from backend.methods import method_config
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC,
-                                      DecodeWorkspace, balanced_splits, decode_attention, decode_attention_ref,
-                                      default_splits, field_weights, gather_kv, gluon_maxnreg, merge_blocks,
-                                      merge_splits, multiprocessors, split_count, unpack_asm)
+                                      DecodeWorkspace, balanced_splits, check_kernel, decode_attention,
+                                      decode_attention_ref, default_splits, field_weights, gather_kv, gluon_maxnreg,
+                                      is_gluon, kernel_parts, merge_blocks, merge_splits, multiprocessors,
+                                      split_count, unpack_asm)
 from kernels.decode_rest import REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
@@ -310,8 +311,18 @@ GLUON_CASES = [
 ]
 
 
+# The Gluon kernels the GPU tests run: each base kernel, each experiment on the default (gluon-tma) alone and the
+# experiments together on each base (decode_attention.GLUON_EXPERIMENTS; fold-max only with zq-ahead, and not on the
+# 8-bit key products)
+ALL_EXPERIMENTS = "+zero-heads+zero-rows+zq-ahead"
+GLUON_TESTED = (*GLUON_KERNELS, "gluon-tma+zero-heads", "gluon-tma+zero-rows", "gluon-tma+zq-ahead",
+                "gluon-tma+zq-ahead+fold-max", "gluon" + ALL_EXPERIMENTS + "+fold-max",
+                "gluon-tma" + ALL_EXPERIMENTS + "+fold-max", "gluon-tma-i8k" + ALL_EXPERIMENTS,
+                "gluon-tma-i8" + ALL_EXPERIMENTS)
+
+
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
-@pytest.mark.parametrize("kernel", GLUON_KERNELS)
+@pytest.mark.parametrize("kernel", GLUON_TESTED)
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
 def test_gluon_decode_attention_matches_reference(case, kernel):
     """The Gluon kernel with one split (programs of many slots: every buffer refilled many times) at the compiler's
@@ -321,14 +332,14 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     the zero terms and the sums of p): it must be about as close to the reference as the Triton kernel (within
     25 %), or within a quarter of the tolerance. Measured on the H200: 2-5x closer with bf16 queries (the Triton
     kernel's operands are bf16), 0.8-1.08x the Triton kernel's error with fp16 ones. The TMA copies
-    (kernel="gluon-tma") move the same bytes: the same bar, on Hopper. "gluon-tma-zero-heads" must decode what
-    "gluon-tma" does, bit for bit (its zeros are in columns that no head of the group reads)."""
+    (kernel="gluon-tma") move the same bytes: the same bar, on Hopper. A kernel with the experiment "zero-heads" must
+    decode what it does without it, bit for bit (its zeros are in columns that no head of the group reads)."""
     from kernels import decode_gluon
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
-    if kernel != "gluon" and torch.cuda.get_device_capability()[0] != 9:
+    options = decode_gluon.kernel_options(kernel)
+    if options["use_tma"] and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("decode_gluon.supports_tma takes Hopper GPUs only (the only kind the TMA copies ran on)")
-    if decode_gluon.I8_PRODUCTS[kernel] and not (nb in (0, 32) and (kernel == "gluon-tma-i8k" or (page == 128
-                                                                                             and vb == 2))):
+    if options["i8"] and not (nb in (0, 32) and (options["i8"] == 1 or (page == 128 and vb == 2))):
         pytest.skip("the 8-bit key products take boosted channels in one chunk of 32 or none, the value products "
                     "pages of 128 and 2-bit values (decode_gluon.supports_kernel)")
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
@@ -337,7 +348,7 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     assert decode_gluon.supports_kernel(kernel, q, kv)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-    if decode_gluon.I8_PRODUCTS[kernel]:
+    if options["i8"]:
         check_i8_kernel(q, kv, kernel, ref, tol)
         return
     for splits, maxnreg in ((1, 255), (3, 168), (None, None)):          # None: the defaults
@@ -353,9 +364,10 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
         assert rel_err(out, ref) <= max(1.25 * rel_err(triton_out, ref), tol / 4), \
             f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
-        if kernel == "gluon-tma-zero-heads":
-            default = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="gluon-tma", maxnreg=maxnreg)
-            assert torch.equal(out, default), f"splits={splits}: {rel_err(out, default):.2e} from gluon-tma's"
+        if options["zero_heads"]:
+            other = kernel.replace("+zero-heads", "")
+            default = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel=other, maxnreg=maxnreg)
+            assert torch.equal(out, default), f"splits={splits}: {rel_err(out, default):.2e} from {other}'s"
 
 
 def check_i8_kernel(q, kv, kernel, ref, tol):
@@ -374,7 +386,8 @@ def check_i8_kernel(q, kv, kernel, ref, tol):
     zeroed = q.clone()
     zeroed[0, 1] = 0.0                      # operands all under I8_AMAX_FLOOR: an fp16 scale of 65,024, not inf
     for queries in (q, (q.float() * heads[None, :, None]).to(q.dtype), zeroed):
-        expected = decode_attention_i8_ref(queries, kv, d ** -0.5, values=decode_gluon.I8_PRODUCTS[kernel] == 2)
+        values = decode_gluon.kernel_options(kernel)["i8"] == 2
+        expected = decode_attention_i8_ref(queries, kv, d ** -0.5, values=values)
         exact = ref if queries is q else decode_attention_ref(queries, kv, d ** -0.5)
         one = decode_attention(queries, kv, d ** -0.5, num_splits=1, kernel=kernel)
         assert rel_err(one, expected) < max(tol, 0.2 * rel_err(expected, exact)), \
@@ -465,7 +478,7 @@ def test_remaining_blocks_a_program_follow_the_launch_size():
     assert rest_blocks_per_program(8 * 64, 10, 132, 256) == 5            # 10 blocks (a spread of 13): 5 and 5
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [*KERNELS, "gluon-tma" + ALL_EXPERIMENTS + "+fold-max"])
 def test_decode_attention_before_the_first_page(kernel):
     """A cache's page tables have no column until its first page (backend/pages.py): every kernel choice reads
     none of them (on a GPU, the Gluon kernel declines such a launch, and its programs without slots read no table
@@ -554,34 +567,87 @@ def test_i8_kernels_compile_for_hopper_with_integer_products():
     assert all(spills == 0 for _, _, spills in rows.values()), run.stdout
 
 
-def test_energy_experiments_compile_with_the_products_they_say():
-    """Without a GPU, at the default cap with TMA copies (sm_90), against the default's page loop:
-    decode_attention(kernel="gluon-tma-zero-heads") adds only the boosted channels' gathered queries times the live
-    heads' ones and zeros (32 channels x 8 heads over 32 lanes: 8 FMUL a kitty-pro page; none without boosted
-    channels): zeroing the queries in shared memory and the padding heads' running max costs nothing a page.
-    kernel="gluon-tma-zero-rows" takes 8 products a page off (the sums of p and of p * zero in one product a 16
-    tokens, 4 token quarters x 2) and the 16 HMUL2 of p * zero. Neither spills."""
+def test_kernel_names_add_experiments_and_bad_names_are_refused():
+    """decode_attention's kernel names: a name of KERNELS, or a Gluon kernel with experiments "+name" each, in any
+    order (the same options); each refusal is a ValueError that names the choices: an unknown base or experiment,
+    experiments on a kernel that is not a Gluon kernel, one twice, fold-max without zq-ahead or with the 8-bit key
+    products, a name that is not a string. decode_attention refuses them before it launches anything."""
+    from kernels.decode_gluon import kernel_options
+    assert kernel_parts("gluon-tma+zq-ahead+zero-heads") == ("gluon-tma", ("zq-ahead", "zero-heads"))
+    assert kernel_options("gluon-tma+zq-ahead+zero-heads") == kernel_options("gluon-tma+zero-heads+zq-ahead") == dict(
+        use_tma=True, i8=0, zero_heads=True, zero_rows=False, zq_ahead=True, fold_max=False)
+    assert kernel_options("gluon") == dict(use_tma=False, i8=0, zero_heads=False, zero_rows=False, zq_ahead=False,
+                                           fold_max=False)
+    assert kernel_options("gluon-tma-i8+zero-rows")["i8"] == 2 and is_gluon("gluon-tma-i8+zero-rows")
+    assert not is_gluon("triton") and not is_gluon("auto")
+    for name in KERNELS:
+        assert check_kernel(name) == name
+    kv, _, _ = random_paged_kv([40], heads=1, head_dim=64, sink=4, page_size=16, window=16, dtype=torch.float32,
+                               seed=1, device=DEVICE)
+    q = torch.randn(1, 2, 64, device=DEVICE)
+    for bad in ("cuda", "triton+zero-heads", "auto+zq-ahead", "gluon-tma+zq", "gluon-tma+", "gluon-tma+zero-heads"
+                "+zero-heads", "gluon-tma+fold-max", "gluon-tma-i8k+zq-ahead+fold-max", None):
+        with pytest.raises(ValueError, match="decode kernel"):
+            check_kernel(bad)
+        if isinstance(bad, str):
+            with pytest.raises(ValueError, match="decode kernel"):
+                decode_attention(q, kv, 0.125, kernel=bad)
+
+
+def test_experiments_compile_with_the_products_they_say():
+    """Without a GPU, at the default cap with TMA copies (sm_90), each of decode_attention.GLUON_EXPERIMENTS against
+    the default's page loop ("gluon-tma"), for kitty-pro and kivi-k2v2:
+    - zero-heads adds only the boosted channels' gathered queries times the live heads' ones and zeros (32 channels x
+      8 heads over 32 lanes: 8 FMUL a kitty-pro page; none without boosted channels): zeroing the queries in shared
+      memory and the padding heads' running max costs nothing a page;
+    - zero-rows takes 8 products a page off (the sums of p and of p * zero in one product a 16 tokens, 4 token
+      quarters x 2) and the 16 HMUL2 of p * zero;
+    - zq-ahead takes off the keys' zero term's 8 products with ones (128 channels / 16) and the 16 HMUL2 of q * zero
+      a page, and the zeros' vector copy (a box); outside the page loop, a window's ZQ_SLOTS / 16 product chains of
+      128 / 16 products each; its shared memory is what shared_bytes plans;
+    - fold-max (with zq-ahead) takes 20 or more instructions a page off that: the 32 FADD of score less max, against
+      8 FMUL for the 4 quarters' weighted maxima, and no more shuffles;
+    - all of them together: the products that zero-rows and zq-ahead each take off.
+    No page loop spills."""
     code = textwrap.dedent("""
         import torch
-        from kernels.sass_profile import compile_gluon_kernel, profile
+        from kernels.decode_gluon import shared_bytes
+        from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
+        kernels = {"default": {}, "zero-heads": dict(zero_heads=True), "zero-rows": dict(zero_rows=True),
+                   "zq-ahead": dict(zq_ahead=True), "fold-max": dict(zq_ahead=True, fold_max=True),
+                   "all": dict(zero_heads=True, zero_rows=True, zq_ahead=True, fold_max=True)}
         for method in ("kitty-pro", "kivi-k2v2"):
-            for name in ("default", "zero_heads", "zero_rows"):
-                options = {} if name == "default" else {name: True}
-                row = profile(compile_gluon_kernel(method, torch.bfloat16, 4, maxnreg=168, use_tma=True, **options))
+            for name, options in kernels.items():
+                compiled = compile_gluon_kernel(method, torch.bfloat16, 4, maxnreg=168, use_tma=True, **options)
+                row = profile(compiled)
                 opcodes = row["loop opcodes"]
+                planned = shared_bytes(example_paged_kv(method, 8, 128, torch.bfloat16), 128, use_tma=True,
+                                       zq_ahead=options.get("zq_ahead", False))
                 print(method, name, row["loop instructions"], row["loop matrix"], row["loop local ld/st"],
-                      opcodes.get("FMUL", 0), opcodes.get("HMUL2", 0))
+                      *(opcodes.get(op, 0) for op in ("FMUL", "HMUL2", "FADD", "SHFL", "UTMALDG")), row["matrix"],
+                      row["shared bytes"], planned)
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = {tuple(line.split()[:2]): [int(x) for x in line.split()[2:]] for line in run.stdout.splitlines()}
+    rows = {tuple(line.split()[:2]): dict(zip(("instructions", "matrix", "spills", "FMUL", "HMUL2", "FADD", "SHFL",
+                                               "boxes", "all matrix", "shared", "planned"),
+                                              map(int, line.split()[2:])))
+            for line in run.stdout.splitlines()}
+    window = 64 // 16 * (128 // 16)                         # decode_gluon.ZQ_SLOTS: its products outside the loop
     for method, gathered in (("kitty-pro", 8), ("kivi-k2v2", 0)):
-        default, heads, sums = rows[method, "default"], rows[method, "zero_heads"], rows[method, "zero_rows"]
-        assert default[2] == heads[2] == sums[2] == 0, run.stdout
-        assert heads[1] == default[1] and heads[3] == default[3] + gathered, run.stdout
-        assert abs(heads[0] - default[0] - gathered) <= 2, run.stdout
-        assert sums[1] == default[1] - 8 and sums[4] == default[4] - 16, run.stdout
+        default, heads, sums, ahead, fold, every = (rows[method, name] for name in (
+            "default", "zero-heads", "zero-rows", "zq-ahead", "fold-max", "all"))
+        assert all(row["spills"] == 0 and row["shared"] == row["planned"] for row in rows.values()), run.stdout
+        assert default["all matrix"] == default["matrix"], run.stdout
+        assert heads["matrix"] == default["matrix"] and heads["FMUL"] == default["FMUL"] + gathered, run.stdout
+        assert abs(heads["instructions"] - default["instructions"] - gathered) <= 2, run.stdout
+        assert sums["matrix"] == default["matrix"] - 8 and sums["HMUL2"] == default["HMUL2"] - 16, run.stdout
+        assert ahead["matrix"] == default["matrix"] - 8 and ahead["HMUL2"] == default["HMUL2"] - 16, run.stdout
+        assert ahead["all matrix"] == ahead["matrix"] + window and ahead["boxes"] == default["boxes"] - 1, run.stdout
+        assert fold["matrix"] == ahead["matrix"] and fold["FADD"] <= ahead["FADD"] - 24, run.stdout
+        assert fold["instructions"] <= ahead["instructions"] - 16 and fold["SHFL"] == ahead["SHFL"], run.stdout
+        assert every["matrix"] == default["matrix"] - 16, run.stdout
 
 
 def run_ptx(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
