@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .decode_rest import launch_rest, rest_blocks_per_program, rest_parts, rest_warps as default_rest_warps
+from .decode_rest import REST_STRIDED, launch_rest, rest_blocks_per_program, rest_parts
+from .decode_rest import rest_warps as default_rest_warps
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV, key_tile_and_operand, value_tile_and_operand
 
@@ -709,7 +710,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                      pdl: bool | None = None, rest_maxnreg: int | None = None,
-                     rest_blocks: int | None = None) -> torch.Tensor:
+                     rest_blocks: int | None = None, rest_strided: bool | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches (decode_launches): the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers)
     and the merge of their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default:
@@ -720,12 +721,13 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
     same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
     (choose_kernel); a Gluon kernel's name may add experiments, "+name" each (kernel_parts). rest_warps /
-    rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their
-    register cap (default: the compiler's) and blocks a program (default: decode_rest.rest_blocks_per_program). pdl:
+    rest_maxnreg / rest_blocks / rest_strided: warps a program of the remaining blocks (default:
+    decode_rest.rest_warps), their register cap (default: the compiler's), blocks a program (default:
+    decode_rest.rest_blocks_per_program) and which (default: decode_rest.REST_STRIDED, consecutive). pdl:
     the three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
     buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
-                           rest_warps, pdl, rest_maxnreg, rest_blocks)()
+                           rest_warps, pdl, rest_maxnreg, rest_blocks, rest_strided)()
 
 
 @dataclass
@@ -750,7 +752,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
                     workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                     pdl: bool | None = None, rest_maxnreg: int | None = None,
-                    rest_blocks: int | None = None) -> DecodeLaunches:
+                    rest_blocks: int | None = None, rest_strided: bool | None = None) -> DecodeLaunches:
     """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
     the merge, with the kernel, split, register cap and warps resolved as it resolves them.
 
@@ -793,7 +795,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
     def remaining():
         launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
-                    rest_blocks)
+                    rest_blocks, REST_STRIDED if rest_strided is None else rest_strided)
 
     if is_gluon(kernel):
         from . import decode_gluon

@@ -75,6 +75,17 @@ def rest_blocks_per_program(sequences: int, blocks: int, sm_count: int, pages: i
     return triton.cdiv(blocks, programs)
 
 
+# Which blocks a program of several takes (an experiment, decode_attention(rest_strided=...), off by default until the
+# H200 measures it: bench tune --vary rest-blocks): False, consecutive ones (p * BPP .. p * BPP + BPP - 1); True,
+# every NPROG-th (p, p + NPROG, ...; NPROG a sequence's programs). Why: a sequence's costly blocks are consecutive. At
+# batch 64 / 32K, kitty-pro's 9 blocks a sequence are the sink's, 4 of the key page with FP16 values (dequantized
+# keys and the boosted channels' gathers: about twice a 16-bit block's instructions, session 28) and 4 of the
+# buffers'; consecutive, one program takes the sink's and all 4 of the key page's and the other 4 cheap ones, and
+# the launch alone waits for the longer chain (kitty-pro's 31 us alone against kivi-k2v2's 14: BENCHMARKS.md
+# section 1, session 28). Strided, each takes 2 of the key page's.
+REST_STRIDED = False
+
+
 def rest_blocks(page_size: int, sink: int, capacity: int) -> int:
     """Blocks of a sequence whose full-precision buffers hold at most `capacity` tokens (sink included), with
     rest_block_tokens(page_size) tokens each: the sink's, and those of the slots after the paged ones.
@@ -184,10 +195,12 @@ def _rest_kernel(
         qk_scale, CK, CV, KMP, VMP, NPART, FIRST_PART, NBLK,
         BPP: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1 (of the NBLK launched a sequence; _rest_block numbers
-    them) of sequence b's remaining tokens for KV head h, one after the other with a running softmax, written as
-    part FIRST_PART + p. Blocks without a token of the sequence are skipped (a program with none writes an empty
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False,
+        STRIDED: tl.constexpr = False):
+    """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1, or with STRIDED p, p + NPROG, ... (BPP of them; NPROG
+    the launch's programs a sequence: REST_STRIDED) of the NBLK launched a sequence (_rest_block numbers them) of
+    sequence b's remaining tokens for KV head h, one after the other with a running softmax, written as part
+    FIRST_PART + p. Blocks without a token of the sequence are skipped (a program with none writes an empty
     partial, max -inf, which the merge weighs 0). Why several blocks a program: where the launch has many programs,
     each one's queries, set-up and partial cost about as much as a block's arithmetic; one program a block keeps the
     latency low where the launch is small or the paged launch short (rest_blocks_per_program). PDL: launched beside
@@ -221,7 +234,10 @@ def _rest_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for i in range(BPP):
-        j = p * BPP + i
+        if STRIDED:
+            j = p + i * tl.num_programs(2)
+        else:
+            j = p * BPP + i
         if (j < NBLK) & _block_exists(j, n_sink, sink_len, n_paged, length, S, G, T):
             scores, values = _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, kch_ptr,
                                          kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, ktab_ptr,
@@ -246,10 +262,11 @@ def _rest_kernel(
 
 
 def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,
-                          prec: str, pdl: bool = False, blocks_per_program: int = 1) -> tuple[tuple, dict]:
+                          prec: str, pdl: bool = False, blocks_per_program: int = 1,
+                          strided: bool = False) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _rest_kernel: parts (output, max, sum) first_part ..
     first_part + rest_parts(kv, blocks_per_program) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e);
-    dot / prec: the products' operand type and input precision, decode_attention's).
+    dot / prec: the products' operand type and input precision, decode_attention's; strided: REST_STRIDED's order).
     Also used to compile the kernel for a profile (kernels.sass_profile)."""
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -260,17 +277,20 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
                      PREC=prec, T=rest_block_tokens(kv.page_size), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
                      BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)),
-                     BPP=blocks_per_program, PDL=pdl)
+                     BPP=blocks_per_program, PDL=pdl, STRIDED=strided)
     return args, constants
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
-                num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1) -> None:
+                num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1,
+                strided: bool = False) -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program,
-    blocks_per_program blocks each; pdl: by programmatic dependent launch, beside the paged slots' kernel launched
-    just before; maxnreg: a register cap per thread (a one-warp program of at most 176 fits beside 11 paged programs
-    of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary rest-pdl)."""
-    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program)
+    blocks_per_program blocks each (strided: REST_STRIDED's order); pdl: by programmatic dependent launch, beside the
+    paged slots' kernel launched just before; maxnreg: a register cap per thread (a one-warp program of at most 176
+    fits beside 11 paged programs of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary
+    rest-pdl)."""
+    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program,
+                                            strided)
     grid = (q.shape[0], kv.k_fp.shape[1], rest_parts(kv, blocks_per_program))
     _rest_kernel[grid](*args, **constants, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
                        **({"maxnreg": maxnreg} if maxnreg else {}))

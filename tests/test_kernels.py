@@ -443,24 +443,26 @@ def test_remaining_blocks_warps(kernel, rest_warps, rest_maxnreg):
     assert rel_err(expected, decode_attention_ref(q, kv, 128 ** -0.5)) < 1.5e-2
     out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps, rest_maxnreg=rest_maxnreg)
     assert rel_err(out, expected) < 1e-3
-    for blocks in (2, 9):                           # several blocks a program, as at larger batches by default
+    for blocks, strided in ((2, False), (9, False), (2, True), (5, True)):   # as at larger batches by default
         out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps, rest_maxnreg=rest_maxnreg,
-                               rest_blocks=blocks)
-        assert rel_err(out, expected) < 1e-3, f"{blocks} blocks a program: {rel_err(out, expected):.2e}"
+                               rest_blocks=blocks, rest_strided=strided)
+        assert rel_err(out, expected) < 1e-3, f"{blocks} blocks a program, {strided=}: {rel_err(out, expected):.2e}"
 
 
-@pytest.mark.parametrize("blocks", [1, 2, 4, 100])
-def test_remaining_blocks_any_number_a_program(blocks):
+@pytest.mark.parametrize("blocks, strided", [(1, False), (2, False), (4, False), (100, False), (2, True), (3, True)])
+def test_remaining_blocks_any_number_a_program(blocks, strided):
     """The remaining blocks 1, 2 or 4 a program, or all of a sequence's in one (100), with a running softmax over
-    them: the reference's output, the partials poisoned first (a program must write its partial even when every
-    block it was given is past its sequence's end: the sequence of 17 tokens, shorter than the sink)."""
+    them, consecutive or every n-th (strided: decode_rest.REST_STRIDED): the reference's output, the partials
+    poisoned first (a program must write its partial even when every block it was given is past its sequence's end:
+    the sequence of 17 tokens, shorter than the sink)."""
     kv, _, _ = random_paged_kv([300, 17, 201], heads=2, head_dim=64, sink=32, page_size=64, window=64, n_boost=8,
                                dtype=torch.float16, seed=518, device=DEVICE)
     q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(1)).half().to(DEVICE)
     workspace = DecodeWorkspace()
     for buffer in workspace.get(q, 2 + rest_parts(kv, blocks)):
         buffer.fill_(float("nan"))
-    out = decode_attention(q, kv, 64 ** -0.5, num_splits=2, workspace=workspace, rest_blocks=blocks)
+    out = decode_attention(q, kv, 64 ** -0.5, num_splits=2, workspace=workspace, rest_blocks=blocks,
+                           rest_strided=strided)
     assert torch.isfinite(out).all()
     assert rel_err(out, decode_attention_ref(q, kv, 64 ** -0.5)) < 2e-3
 
