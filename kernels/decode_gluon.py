@@ -523,7 +523,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
     session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers, p * scale rounded to s8 with one
     scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. With fp16 products, acc3 sums the whole bytes'
     products (QUARTER_ASM), which are linear in the page sums like the others: the kernel takes the other quarters off
-    once, at its end (_quarter3_sums). ZERO_ROWS (kernel="gluon-tma-zero-rows", an experiment): both sums in l_t, by one
+    once, at its end (_quarter3_sums). ZERO_ROWS (kernel="gluon-tma+zero-rows", an experiment): both sums in l_t, by one
     product a 16 tokens with the zeros as the first operand's rows (_zero_rows), and z_t unused. fold_zq (FOLD_MAX, an
     experiment): s0 .. s3 are the key products' unweighted sums (_key_scores' FOLD), fold_zq the page's zero terms
     (log2 units) and scale qk_scale / Q_SCALE: the page's maximum is taken from each quarter's sums' maximum over the
@@ -898,7 +898,7 @@ def _queries(q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
 
 @gluon.jit
 def _live_heads(GROUP: gl.constexpr, lay: gl.constexpr):
-    """ZERO_HEADS (kernel="gluon-tma-zero-heads", an experiment): (1, HEADS) fp32 in `lay`, 1 for the group's heads
+    """ZERO_HEADS (kernel="gluon-tma+zero-heads", an experiment): (1, HEADS) fp32 in `lay`, 1 for the group's heads
     and 0 for the tile's padding columns past it. The queries in shared memory (_queries) and the boosted channels'
     gathered ones (_key_scores) are multiplied by it, so that the matrix unit multiplies zeros in those columns
     instead of copies of the last head's operands. Measured on the H200 (kitty-pro, batch 64 / 32K): the arithmetic
