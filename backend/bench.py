@@ -298,8 +298,7 @@ def bench_tune(args) -> dict:
             # the Gluon kernel's settings
             splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
             base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False,
-                        loads=None, rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None,
-                        rest_strided=None)
+                        loads=None, rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None)
 
             default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
             default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
@@ -339,10 +338,12 @@ def bench_tune(args) -> dict:
                       "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}
                                    for w, r in ((None, None), (1, None), (1, 168), (2, 96))],
                       # ... and at blocks a program (None: decode_rest.rest_blocks_per_program; 9 is all of a
-                      # Qwen3-8B kitty-pro sequence's at 32K), consecutive and strided (decode_rest.REST_STRIDED)
-                      "rest-blocks": [{**gluon(cap), "pdl": True, "rest_blocks": n, "rest_strided": strided}
-                                      for n in (None, 1, 2, 3, 5, 9) for strided in (False, True)
-                                      if not strided or n in (None, 2, 3, 5)],
+                      # Qwen3-8B kitty-pro sequence's at 32K), and with the remaining blocks' experiments
+                      # (decode_attention.REST_EXPERIMENTS: every n-th block a program, the boosted operand hoisted)
+                      "rest-blocks": [{**gluon(cap, kernel=default_gluon + extra), "pdl": True, "rest_blocks": n}
+                                      for n in (None, 1, 2, 3, 5, 9)
+                                      for extra in ("", "+rest-strided", "+rest-hoist", "+rest-strided+rest-hoist")
+                                      if not extra or n in (None, 2, 3, 5)],
                       # the default Gluon kernel at its default cap and split, with its three launches in a row and
                       # chained by programmatic dependent launch (decode_launches' pdl)
                       "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
@@ -391,8 +392,7 @@ def bench_tune(args) -> dict:
                                                maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                                rest_warps=setting["rest_warps"], pdl=setting["pdl"],
                                                rest_maxnreg=setting["rest_maxnreg"],
-                                               rest_blocks=setting["rest_blocks"],
-                                               rest_strided=setting["rest_strided"])
+                                               rest_blocks=setting["rest_blocks"])
                 times = None
                 if setting["timeline"]:
                     times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64,
