@@ -912,6 +912,60 @@ def _live_heads(GROUP: gl.constexpr, lay: gl.constexpr):
 PAD_HEAD_MAX = gl.constexpr(1.0e30)
 
 
+@gluon.jit
+def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s, q_rows, qk_scale, kscale_rows,
+          live, zq_row, pad_zero, pipeline, state, H: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
+          NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr, ZERO_ROWS: gl.constexpr,
+          FOLD: gl.constexpr, COMPUTE: gl.constexpr, COPIES: gl.constexpr, WAITS: gl.constexpr, PAD: gl.constexpr,
+          PAD_N: gl.constexpr):
+    """Paged slot `slot` of _gluon_paged_kernel's loop (its arguments; keys / values: the page tensors' pointers or
+    descriptors; zq_row: the slot's keys' zero terms, ZQ_AHEAD, or None): wait for its keys, their scores, refill the
+    key buffer with the next slot's, wait for its values, the softmax and value products, refill the value buffer.
+    pipeline: (phase, this slot's key page, the next slot's key and value pages, key and value waits), state: (running
+    max, l_t, z_t, the 4 accumulators); returns both after the slot."""
+    phase, kpage, kpage_next, vpage_next, key_wait, value_wait = pipeline
+    m_i, l_t, z_t, acc0, acc1, acc2, acc3 = state
+    klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr = keys
+    vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr = values
+    more = COPIES and slot + 1 < end
+    kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
+    vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
+    if COPIES:
+        # this slot's keys are in (its values may not be)
+        key_wait = _waited(kbar, phase, TMA, key_wait, WAITS)
+    _BARRIER()                                      # ... for every lane (and, the first time, the queries)
+    if not COMPUTE:
+        pass
+    elif I8 > 0:
+        s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, zq_row)
+    else:
+        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, live, zq_row, FOLD)
+        if PAD_N > 0:
+            s0 = _pad(s0, pad_zero, PAD, PAD_N)
+    _BARRIER()                                      # every lane's key reads are done: refill the key buffer
+    if more:
+        _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA,
+                    zq_row is None)
+    _commit(TMA)
+    if COPIES:
+        # this slot's values are in (the next slot's keys may not be)
+        value_wait = _waited(vbar, phase, TMA, value_wait, WAITS)
+    _BARRIER()
+    if COMPUTE:
+        fold_zq = None
+        if FOLD:
+            fold_zq = zq_row
+        m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1,
+                                                                acc2, acc3, D, G, V_BITS, I8 == 2, ZERO_ROWS,
+                                                                fold_zq, qk_scale * (1.0 / Q_SCALE))
+    _BARRIER()                                      # the value reads are done: refill the value buffer
+    if more:
+        _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
+    _commit(TMA)
+    return ((phase ^ 1, kpage_next, kpage_after, vpage_after, key_wait, value_wait),
+            (m_i, l_t, z_t, acc0, acc1, acc2, acc3))
+
+
 # int64 a program in the kernel's times_ptr: start, end, multiprocessor, key and value waits, cycles (and 2 unused)
 TIMES_ROW = gl.constexpr(8)
 
@@ -994,57 +1048,29 @@ def _gluon_paged_kernel(
     if not COPIES:                                  # the first slot's pages, then no copies and no waits
         _arrived(kbar, 0, TMA)
         _arrived(vbar, 0, TMA)
-    # ZQ_AHEAD: windows of ZQ_SLOTS slots, each one's keys' zero terms first; without, one window of all the slots
-    window: gl.constexpr = ZQ_SLOTS if ZQ else 1 << 30
-    for first in range(start, end, window):
-        if ZQ:
+    keys = (klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr)
+    values = (vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr)
+    pipeline = (phase, kpage, kpage_next, vpage_next, key_wait, value_wait)
+    state = (m_i, l_t, z_t, acc0, acc1, acc2, acc3)
+    if ZQ:
+        # windows of ZQ_SLOTS slots, each one's keys' zero terms first (the page loop the inner one: what a page costs
+        # stays the loop that kernels.sass_profile counts)
+        for first in range(start, end, ZQ_SLOTS):
             _BARRIER()                              # the queries (the first time), every lane's reads of the terms
             _zero_terms(zq_s, q_s, ktab, first, end, kzero_rows, h, qk_scale * (1.0 / Q_SCALE), H, D)
             _BARRIER()
-        for slot in range(first, gl.minimum(first + window, end)):
-            more = COPIES and slot + 1 < end
-            kpage_after = gl.load(ktab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-            vpage_after = gl.load(vtab + gl.minimum(slot + 2, last)).to(gl.int64) * H + h
-            if COPIES:
-                # this slot's keys are in (its values may not be)
-                key_wait = _waited(kbar, phase, TMA, key_wait, WAITS)
-            _BARRIER()                              # ... for every lane (and, the first time, the queries)
-            zq_row = None
-            if ZQ:
-                zq_row = _zero_term(zq_s, slot - first)
-            if not COMPUTE:
-                pass
-            elif I8 > 0:
-                s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, zq_row)
-            else:
-                s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, live,
-                                             zq_row, FOLD)
-                if PAD_N > 0:
-                    s0 = _pad(s0, pad_zero, PAD, PAD_N)
-            _BARRIER()                              # every lane's key reads are done: refill the key buffer
-            if more:
-                _fetch_keys(kbufs, kbar, kpage_next, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB,
-                            TMA, not ZQ)
-            _commit(TMA)
-            if COPIES:
-                # this slot's values are in (the next slot's keys may not be)
-                value_wait = _waited(vbar, phase, TMA, value_wait, WAITS)
-            _BARRIER()
-            if COMPUTE:
-                fold_zq = None
-                if FOLD:
-                    fold_zq = zq_row
-                m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0,
-                                                                        acc1, acc2, acc3, D, G, V_BITS, I8 == 2,
-                                                                        ZERO_ROWS, fold_zq, qk_scale * (1.0 / Q_SCALE))
-            _BARRIER()                              # the value reads are done: refill the value buffer
-            if more:
-                _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
-            _commit(TMA)
-            phase = phase ^ 1
-            kpage = kpage_next
-            kpage_next = kpage_after
-            vpage_next = vpage_after
+            for slot in range(first, gl.minimum(first + ZQ_SLOTS, end)):
+                pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
+                                        q_rows, qk_scale, kscale_rows, live, _zero_term(zq_s, slot - first),
+                                        pad_zero, pipeline, state, H, D, G, NB, V_BITS, TMA, I8, ZERO_ROWS, FOLD,
+                                        COMPUTE, COPIES, WAITS, PAD, PAD_N)
+    else:
+        for slot in range(start, end):
+            pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
+                                    q_rows, qk_scale, kscale_rows, live, None, pad_zero, pipeline, state, H, D, G, NB,
+                                    V_BITS, TMA, I8, ZERO_ROWS, FOLD, COMPUTE, COPIES, WAITS, PAD, PAD_N)
+    key_wait, value_wait = pipeline[4], pipeline[5]
+    m_i, l_t, z_t, acc0, acc1, acc2, acc3 = state
     if not TMA:
         async_copy.wait_group(0)
 
