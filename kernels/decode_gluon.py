@@ -91,16 +91,27 @@ Q_SCALE = gl.constexpr(1.0 / 16)
 
 
 def supports(q: torch.Tensor, kv: PagedKV) -> bool:
-    """Whether the Gluon kernel handles this launch: a CUDA device of compute capability 8.0 or later (mma.sync),
-    16-bit queries, a KV group of at most 8 heads, head_dim and pages of 64 or 128, boosted channels that the
-    32-channel chunks tile (0, 16 or a multiple of 32), and slots that can be paged: 2- or 4-bit values, and page
-    tables with a column each (a cache's tables have none until its first page)."""
+    """Whether the Gluon kernel handles this launch: a CUDA device of compute capability 8.0 or later (mma.sync)
+    and the shapes that takes_shapes("gluon", ...) names."""
+    return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8 and takes_shapes("gluon", q, kv)
+
+
+def takes_shapes(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
+    """Whether decode_attention's Gluon `kernel` takes this launch's shapes, whatever the device: 16-bit queries, a
+    KV group of at most 8 heads, head_dim and pages of 64 or 128, boosted channels that the 32-channel chunks tile
+    (0, 16 or a multiple of 32), and slots that can be paged: 2- or 4-bit values, and page tables with a column each
+    (a cache's tables have none until its first page). With TMA copies, boxes of at least 16 bytes; the 8-bit key
+    products take boosted channels in one chunk of 32 or none, the 8-bit value products pages of 128 and 2-bit
+    values. (supports_kernel adds the device's checks; a CPU test compiles what this takes for sm_90.)"""
     bsz, hq, d = q.shape
-    h, g = kv.k_fp.shape[1], kv.page_size
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 8
-            and q.dtype in (torch.bfloat16, torch.float16) and hq // h <= HEADS_PER_TILE
-            and d in (64, 128) and g in (64, 128) and (kv.n_boost in (0, 16) or kv.n_boost % 32 == 0)
-            and kv.v_bits in (2, 4) and kv.k_table.shape[1] > 0 and kv.v_table.shape[1] > 0)
+    h, g, nb = kv.k_fp.shape[1], kv.page_size, kv.n_boost
+    options = kernel_options(kernel)
+    i8 = options["i8"]
+    return (q.dtype in (torch.bfloat16, torch.float16) and hq // h <= HEADS_PER_TILE and d in (64, 128)
+            and g in (64, 128) and (nb in (0, 16) or nb % 32 == 0) and kv.v_bits in (2, 4)
+            and kv.k_table.shape[1] > 0 and kv.v_table.shape[1] > 0
+            and (not options["use_tma"] or (g // 4 >= 16 and nb in (0, 16, 32, 64, 128)))
+            and (i8 < 1 or nb in (0, 32)) and (i8 < 2 or (g == 128 and kv.v_bits == 2)))
 
 
 @gluon.constexpr_function
@@ -1240,9 +1251,9 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
 
 def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
     """Whether the TMA copies take this launch (besides supports): a Hopper GPU (the only kind they were measured
-    on), boxes of at least 16 bytes."""
-    return (supports(q, kv) and torch.cuda.get_device_capability(q.device)[0] == 9 and kv.page_size // 4 >= 16
-            and kv.n_boost in (0, 16, 32, 64, 128))
+    on), and the shapes that takes_shapes("gluon-tma", ...) names."""
+    return (supports(q, kv) and torch.cuda.get_device_capability(q.device)[0] == 9
+            and takes_shapes("gluon-tma", q, kv))
 
 
 # decode_attention's Gluon kernels (decode_attention.GLUON_KERNELS) -> the kernel's I8: 0 fp16 operands, 1 the key
@@ -1261,14 +1272,10 @@ def kernel_options(kernel: str) -> dict:
 
 
 def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
-    """Whether decode_attention's Gluon `kernel` takes this launch: the 8-bit key products take boosted channels in
-    one chunk of 32 or none, the 8-bit value products pages of 128 and 2-bit values."""
-    options = kernel_options(kernel)
-    if not options["use_tma"]:
-        return supports(q, kv)
-    i8 = options["i8"]
-    return (supports_tma(q, kv) and (i8 < 1 or kv.n_boost in (0, 32))
-            and (i8 < 2 or (kv.page_size == 128 and kv.v_bits == 2)))
+    """Whether decode_attention's Gluon `kernel` takes this launch: supports (supports_tma with TMA copies) and
+    takes_shapes."""
+    device = supports_tma(q, kv) if kernel_options(kernel)["use_tma"] else supports(q, kv)
+    return device and takes_shapes(kernel, q, kv)
 
 
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,

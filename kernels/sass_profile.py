@@ -98,13 +98,22 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline, with
     waits also its waits for pages; pad: (kind, instructions a page) more, --vary pad; experiments: the flags of
     decode_gluon.kernel_options, zero_heads=True ...)."""
+    kv = example_paged_kv(method, heads, head_dim, dtype)
+    q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
+    return compile_gluon_launch(q, kv, splits, arch, maxnreg, use_tma, pdl, i8, compute, copies, times, waits, pad,
+                                **experiments)
+
+
+def compile_gluon_launch(q: torch.Tensor, kv, splits: int = 16, arch: int = 90, maxnreg: int = 255,
+                         use_tma: bool = False, pdl: bool = False, i8: int = 0, compute: bool = True,
+                         copies: bool = True, times: bool = False, waits: bool = False,
+                         pad: tuple[str, int] | None = None, **experiments: bool):
+    """compile_gluon_kernel for queries q (B, HQ, D) over the cache kv (CPU tensors of any launch's shapes)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels.decode_gluon import TIMES_ROW, _gluon_paged_kernel, kernel_arguments
-    kv = example_paged_kv(method, heads, head_dim, dtype)
-    q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
-    parts = (torch.zeros(1, heads * group, splits, head_dim), torch.zeros(1, heads * group, splits),
-             torch.zeros(1, heads * group, splits))
+    b, hq, head_dim = q.shape
+    parts = (torch.zeros(b, hq, splits, head_dim), torch.zeros(b, hq, splits), torch.zeros(b, hq, splits))
     args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8, **experiments)
     return _compile(GluonASTSource, _gluon_paged_kernel, args,
                     {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies,

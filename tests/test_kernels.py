@@ -339,12 +339,12 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     options = decode_gluon.kernel_options(kernel)
     if options["use_tma"] and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("decode_gluon.supports_tma takes Hopper GPUs only (the only kind the TMA copies ran on)")
-    if options["i8"] and not (nb in (0, 32) and (options["i8"] == 1 or (page == 128 and vb == 2))):
-        pytest.skip("the 8-bit key products take boosted channels in one chunk of 32 or none, the value products "
-                    "pages of 128 and 2-bit values (decode_gluon.supports_kernel)")
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
                                v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    if not decode_gluon.takes_shapes(kernel, q, kv):
+        pytest.skip("the 8-bit key products take boosted channels in one chunk of 32 or none, the value products "
+                    "pages of 128 and 2-bit values (decode_gluon.takes_shapes)")
     assert decode_gluon.supports_kernel(kernel, q, kv)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
@@ -368,6 +368,49 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
             other = kernel.replace("+zero-heads", "")
             default = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel=other, maxnreg=maxnreg)
             assert torch.equal(out, default), f"splits={splits}: {rel_err(out, default):.2e} from {other}'s"
+
+
+def test_gluon_kernels_compile_for_every_gpu_test_shape():
+    """Without a GPU: every kernel the GPU tests run (GLUON_TESTED) compiles for sm_90 at the default cap at every
+    shape they run it at (GLUON_CASES, where decode_gluon.takes_shapes takes it; the GPU test skips the others), so
+    that a kernel changed in a session without a GPU is known to build before device time is spent on it (session 34
+    ran this as a script first: 200 compilations at caps 168 and 255, all built)."""
+    code = textwrap.dedent(f"""
+        import sys
+        import torch
+        sys.path.insert(0, "tests")
+        from paged_factory import random_paged_kv
+        from kernels.decode_gluon import kernel_options, takes_shapes
+        from kernels.sass_profile import compile_gluon_launch
+        built, failed = 0, []
+        for lengths, h, d, group, kb, vb, sink, page, window, nb, dtype in {GLUON_CASES!r}:
+            kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window,
+                                       k_bits=kb, v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths))
+            q = torch.zeros(len(lengths), h * group, d, dtype=dtype)
+            for kernel in {GLUON_TESTED!r}:
+                if takes_shapes(kernel, q, kv):
+                    try:
+                        compile_gluon_launch(q, kv, 3, maxnreg=168, **kernel_options(kernel))
+                        built += 1
+                    except Exception as error:
+                        failed.append((lengths, kernel, repr(error)[:400]))
+        print(built, failed)
+    """)
+    from kernels.decode_gluon import takes_shapes
+    taken = 0
+    for lengths, h, d, group, kb, vb, sink, page, window, nb, dtype in GLUON_CASES:
+        kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window,
+                                   k_bits=kb, v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths))
+        q = torch.zeros(len(lengths), h * group, d, dtype=dtype)
+        taken += sum(takes_shapes(kernel, q, kv) for kernel in GLUON_TESTED)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    built, failed = run.stdout.split(" ", 1)
+    assert failed.strip() == "[]", failed
+    # 12 kernels on 10 shapes less the 8-bit ones' declined shapes (4 each for the 2 i8k names, 6 each for the 2 i8
+    # names): 100 in session 34
+    assert int(built) == taken >= 100, (built, taken)
 
 
 def check_i8_kernel(q, kv, kernel, ref, tol):
