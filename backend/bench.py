@@ -1217,8 +1217,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="*")
     parser.add_argument("--kernels", nargs="*", type=check_kernel, default=["auto"],
                         help=f"attention, quality, generate: decode kernels over the paged blocks, each measured: "
-                             f"{', '.join(KERNELS)}, or a Gluon kernel with experiments (gluon-tma+zero-heads ...: "
-                             f"decode_attention.GLUON_EXPERIMENTS) (default: auto, the product's choice; gluon: GPU "
+                             f"{', '.join(KERNELS)}, with experiments (gluon-tma+zero-heads, auto+rest-strided ...: "
+                             f"decode_attention.kernel_parts) (default: auto, the product's choice; gluon: GPU "
                              f"only, but the 8-bit kernels' arithmetic also runs on a CPU for quality; generate: each "
                              f"Kitty method with each)")
     parser.add_argument("--pdl", choices=list(PDL_CHOICES), default="default",

@@ -316,11 +316,12 @@ def _zero_terms(zq_s, q_s, ktab, first, end, kzero_ptr, h, scale, H: gl.constexp
     for g in gl.static_range(ZQ_SLOTS // ZQ_PAGES):
         if first + g * ZQ_PAGES < end:
             slot = first + g * ZQ_PAGES + r
-            live = slot < end
-            page = gl.load(ktab + slot, mask=live, other=0).to(gl.int64) * H + h
+            present = slot < end
+            page = gl.load(ktab + slot, mask=present, other=0).to(gl.int64) * H + h
             zq = gl.zeros([ZQ_PAGES, HEADS], gl.float32, mma)
             for c in gl.static_range(D // KC):
-                zero = gl.load(kzero_ptr + page[:, None] * D + (c * KC + d)[None, :], mask=live[:, None], other=0.0)
+                zero = gl.load(kzero_ptr + page[:, None] * D + (c * KC + d)[None, :], mask=present[:, None],
+                               other=0.0)
                 zq = mma_v2(_a_operand(zero, ZQ_PAGES, KC), _b_operand(q_s.index(c).load(cols), KC), zq)
             zq_s.index(g).store(zq * scale)
 
@@ -1000,12 +1001,12 @@ def _gluon_paged_kernel(
     kzero_rows: the key scales and zeros as pointers, for the boosted channels' gather and ZQ_AHEAD's. Experiments
     (decode_attention.GLUON_EXPERIMENTS): ZERO_HEADS, zeros in the padding heads' operand columns (_live_heads);
     ZERO_ROWS, the sums of p and of p * zero in one product (_zero_rows); ZQ_AHEAD, the keys' zero terms a window of
-    ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the page loop nested in the loop over windows
-    (without it, one window of all the slots). PDL: the remaining blocks'
-    kernel after it may start at once (decode_launches' pdl). Two measurements that are not attention (`python -m
-    backend.bench tune --vary loads`): COMPUTE=False, the page loop's copies, waits and barriers only (the memory
-    pipeline's own ceiling); COPIES=False, its products and barriers only, over the first slot's pages again and again
-    (the arithmetic's own time). times_ptr (a measurement, `bench tune --vary timeline`): each program writes when it
+    ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the loop over slots (_slot) nested in a loop over
+    windows; FOLD_MAX (with ZQ_AHEAD), the scores' weights and zero term in the exponent (_folded_max). PDL: the
+    remaining blocks' kernel after it may start at once (decode_launches' pdl). Two measurements that are not
+    attention (`python -m backend.bench tune --vary loads`): COMPUTE=False, the page loop's copies, waits and
+    barriers only (the memory pipeline's own ceiling); COPIES=False, its products and barriers only, over the first
+    slot's pages again and again (the arithmetic's own time). times_ptr (a measurement, `bench tune --vary timeline`): each program writes when it
     started and ended (%globaltimer, ns) and its multiprocessor, TIMES_ROW int64 a program in grid order; with WAITS
     also the clock cycles it spent waiting for its key pages and for its value pages (their mbarriers) and its cycles
     from start to end (%clock64, read around each wait: the page loop changes). PAD / PAD_N (a measurement, `bench tune

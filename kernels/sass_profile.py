@@ -212,8 +212,10 @@ def _kernel_name(kernel: str) -> str:
     """--kernel's type: "rest", or a kernel decode_attention takes other than "auto" (argparse reports the
     ValueError)."""
     from kernels.decode_attention import kernel_parts
-    if kernel != "rest" and (kernel == "auto" or kernel_parts(kernel) is None):
+    if kernel == "auto":
         raise ValueError(kernel)
+    if kernel != "rest":
+        kernel_parts(kernel)
     return kernel
 
 
