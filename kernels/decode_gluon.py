@@ -1006,13 +1006,13 @@ def _gluon_paged_kernel(
     remaining blocks' kernel after it may start at once (decode_launches' pdl). Two measurements that are not
     attention (`python -m backend.bench tune --vary loads`): COMPUTE=False, the page loop's copies, waits and
     barriers only (the memory pipeline's own ceiling); COPIES=False, its products and barriers only, over the first
-    slot's pages again and again (the arithmetic's own time). times_ptr (a measurement, `bench tune --vary timeline`): each program writes when it
-    started and ended (%globaltimer, ns) and its multiprocessor, TIMES_ROW int64 a program in grid order; with WAITS
-    also the clock cycles it spent waiting for its key pages and for its value pages (their mbarriers) and its cycles
-    from start to end (%clock64, read around each wait: the page loop changes). PAD / PAD_N (a measurement, `bench tune
-    --vary pad`): PAD_N more instructions a page of one kind ("alu": LOP3, "fma": FFMA, "mma": HMMA) on the scores, that
-    add nothing (pad_zero, 0 at run time, masks them out): what one more instruction of each kind costs this kernel
-    (_pad)."""
+    slot's pages again and again (the arithmetic's own time). times_ptr (a measurement, `bench tune --vary
+    timeline`): each program writes when it started and ended (%globaltimer, ns) and its multiprocessor, TIMES_ROW
+    int64 a program in grid order; with WAITS also the clock cycles it spent waiting for its key pages and for its
+    value pages (their mbarriers) and its cycles from start to end (%clock64, read around each wait: the page loop
+    changes). PAD / PAD_N (a measurement, `bench tune --vary pad`): PAD_N more instructions a page of one kind
+    ("alu": LOP3, "fma": FFMA, "mma": HMMA) on the scores, that add nothing (pad_zero, 0 at run time, masks them
+    out): what one more instruction of each kind costs this kernel (_pad)."""
     if times_ptr is not None:
         started = _globaltimer()
     key_wait = 0                                    # WAITS: cycles waited for key pages, for value pages
