@@ -338,12 +338,8 @@ def bench_tune(args) -> dict:
                       "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}
                                    for w, r in ((None, None), (1, None), (1, 168), (2, 96))],
                       # ... and at blocks a program (None: decode_rest.rest_blocks_per_program; 9 is all of a
-                      # Qwen3-8B kitty-pro sequence's at 32K), and with the remaining blocks' experiments
-                      # (decode_attention.REST_EXPERIMENTS: every n-th block a program, the boosted operand hoisted)
-                      "rest-blocks": [{**gluon(cap, kernel=default_gluon + extra), "pdl": True, "rest_blocks": n}
-                                      for n in (None, 1, 2, 3, 5, 9)
-                                      for extra in ("", "+rest-strided", "+rest-hoist", "+rest-strided+rest-hoist")
-                                      if not extra or n in (None, 2, 3, 5)],
+                      # Qwen3-8B kitty-pro sequence's at 32K)
+                      "rest-blocks": [{**gluon(cap), "pdl": True, "rest_blocks": n} for n in (None, 1, 2, 3, 5, 9)],
                       # the default Gluon kernel at its default cap and split, with its three launches in a row and
                       # chained by programmatic dependent launch (decode_launches' pdl)
                       "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
@@ -1217,8 +1213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="*")
     parser.add_argument("--kernels", nargs="*", type=check_kernel, default=["auto"],
                         help=f"attention, quality, generate: decode kernels over the paged blocks, each measured: "
-                             f"{', '.join(KERNELS)}, with experiments (gluon-tma+zero-heads, auto+rest-strided ...: "
-                             f"decode_attention.kernel_parts) (default: auto, the product's choice; gluon: GPU "
+                             f"{', '.join(KERNELS)}, or a Gluon kernel with experiments (gluon-tma+zero-heads ...: "
+                             f"decode_attention.GLUON_EXPERIMENTS) (default: auto, the product's choice; gluon: GPU "
                              f"only, but the 8-bit kernels' arithmetic also runs on a CPU for quality; generate: each "
                              f"Kitty method with each)")
     parser.add_argument("--pdl", choices=list(PDL_CHOICES), default="default",

@@ -614,10 +614,8 @@ GLUON_MAXNREG_FEW = 192
 # 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
 # kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
 # section 3, `python -m backend.bench quality`)
-# Experiments: a kernel's name may add experiments, "+name" each ("gluon-tma+zero-heads+zero-rows"), so that one run
-# can time them alone and together: a Gluon kernel any of GLUON_EXPERIMENTS (decode_gluon.kernel_options turns them
-# into the kernel's flags), every kernel any of REST_EXPERIMENTS (the remaining blocks' kernel's: decode_rest.py).
-# GLUON_EXPERIMENTS:
+# Experiments: a Gluon kernel's name may add any of GLUON_EXPERIMENTS, "+name" each ("gluon-tma+zero-heads+zero-rows"),
+# so that one run can time them alone and together (decode_gluon.kernel_options turns them into the kernel's flags):
 # - "zero-heads": zeros in the operand columns of the tile's padding heads (a group of 4 fills 4 of 8) instead of
 #   copies of the group's last head, and their probabilities 0 (decode_gluon's ZERO_HEADS): the same numbers for the
 #   group's heads;
@@ -630,31 +628,24 @@ GLUON_MAXNREG_FEW = 192
 # The first two are experiments in energy a page, for GPUs that run this kernel power-capped: measured on the H200
 # in one run (BENCHMARKS.md section 1, session 33, call 2), kitty-pro at batch 64 / 32K 417.5 and 419.2 against
 # 422.9 us, each faster or equal at every shape for kitty-pro and kivi-k2v2; their combination waits for its GPU
-# tests. The last two are written and not yet run on a GPU (session 34).
-# REST_EXPERIMENTS (decode_rest._rest_kernel's STRIDED and HOIST; written in session 34, not yet run on a GPU):
-# - "rest-strided": a program of several remaining blocks takes every n-th block of its sequence, not consecutive ones;
-# - "rest-hoist": such a program gathers the boosted channels' operand of the key page with 16-bit values once, before
-#   its blocks, instead of once a block.
+# tests. The last two are written and not yet run on a GPU (session 34)
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 GLUON_EXPERIMENTS = ("zero-heads", "zero-rows", "zq-ahead", "fold-max")
-REST_EXPERIMENTS = ("rest-strided", "rest-hoist")
 
 
 def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
     """decode_attention's `kernel` -> (its base, the experiments its name adds): ("gluon-tma", ("zero-heads",)) for
-    "gluon-tma+zero-heads". ValueError for a name decode_attention does not take: a base outside KERNELS, an
-    unknown or repeated experiment, GLUON_EXPERIMENTS on a kernel that is not a Gluon kernel, or "fold-max" without
+    "gluon-tma+zero-heads". ValueError for a name decode_attention does not take: a base outside KERNELS,
+    experiments on a kernel that is not a Gluon kernel, an unknown or repeated experiment, or "fold-max" without
     "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms)."""
     base, *extras = kernel.split("+")
-    if base not in KERNELS:
-        raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}, each with "
-                         f"experiments +{', +'.join(REST_EXPERIMENTS)}, a Gluon kernel ({', '.join(GLUON_KERNELS)}) "
-                         f"also +{', +'.join(GLUON_EXPERIMENTS)}")
-    known = GLUON_EXPERIMENTS + REST_EXPERIMENTS if base in GLUON_KERNELS else REST_EXPERIMENTS
-    unknown = [e for e in extras if e not in known or extras.count(e) > 1]
+    if base not in KERNELS or (extras and base not in GLUON_KERNELS):
+        raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}, a Gluon kernel "
+                         f"({', '.join(GLUON_KERNELS)}) with experiments +{', +'.join(GLUON_EXPERIMENTS)}")
+    unknown = [e for e in extras if e not in GLUON_EXPERIMENTS or extras.count(e) > 1]
     if unknown:
-        raise ValueError(f"decode kernel {kernel!r}: unknown or repeated experiments {unknown}; {base} takes each "
-                         f"of +{', +'.join(known)} once")
+        raise ValueError(f"decode kernel {kernel!r}: unknown or repeated experiments {unknown}; a Gluon kernel takes "
+                         f"each of +{', +'.join(GLUON_EXPERIMENTS)} once")
     if "fold-max" in extras and (base.endswith(("i8k", "i8")) or "zq-ahead" not in extras):
         raise ValueError(f"decode kernel {kernel!r}: fold-max folds the fp16 key products' weights and the zero "
                          "terms of zq-ahead into the exponent: it takes a kernel with both")
@@ -728,9 +719,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     kernel, "triton", "gluon" (kernels/decode_gluon.py, GPU only; launches it cannot take fall back to Triton),
     "gluon-tma" (the same with TMA copies, Hopper only; the same fallback), "gluon-tma-i8k" / "gluon-tma-i8" (the
     same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
-    (choose_kernel); a name may add experiments, "+name" each (kernel_parts). rest_warps / rest_maxnreg /
-    rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their register cap
-    (default: the compiler's) and blocks a program (default: decode_rest.rest_blocks_per_program). pdl:
+    (choose_kernel); a Gluon kernel's name may add experiments, "+name" each (kernel_parts). rest_warps /
+    rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their
+    register cap (default: the compiler's) and blocks a program (default: decode_rest.rest_blocks_per_program). pdl:
     the three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
     buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
@@ -770,9 +761,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     of them waits for the paged grid before it ends; the merge starts early too and waits for both grids before it
     reads a partial. Why: at batch 1 / 4K a call is three latency-bound launches in a row, 3.8 + 4.8 + 1.7 us and
     about 1 us of gaps, against SDPA's 9.2 (BENCHMARKS.md section 1, session 18)."""
-    base, extras = kernel_parts(check_kernel(kernel))       # a name it does not take: ValueError
-    rest_options = dict(strided="rest-strided" in extras, hoist="rest-hoist" in extras)
-    kernel = "+".join([base, *(e for e in extras if e in GLUON_EXPERIMENTS)])     # the paged slots' kernel
+    check_kernel(kernel)                            # a name it does not take: ValueError
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
@@ -804,7 +793,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
     def remaining():
         launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
-                    rest_blocks, **rest_options)
+                    rest_blocks)
 
     if is_gluon(kernel):
         from . import decode_gluon

@@ -89,23 +89,9 @@ def rest_blocks(page_size: int, sink: int, capacity: int) -> int:
 
 
 @triton.jit
-def _boost_operand(kpage, q_rows, hmask, kch_ptr, kscale_ptr, qk_scale, D: tl.constexpr, NB: tl.constexpr,
-                   DOT: tl.constexpr, BLOCK_NB: tl.constexpr, exists=True):
-    """The boosted channels' side of key page `kpage`'s scores: 4 * qk_scale * q_c * scale_c for its NB channels c
-    (BLOCK_M heads, BLOCK_NB channels; 0 past NB, and everywhere unless `exists`), the first operand of the product
-    with their high bits."""
-    r = tl.arange(0, BLOCK_NB)
-    rmask = (r < NB) & exists
-    ch = tl.load(kch_ptr + kpage * NB + r, mask=rmask, other=0).to(tl.int32)
-    ch_scale = tl.load(kscale_ptr + kpage * D + ch, mask=rmask, other=0.0).to(tl.float32)
-    q_ch = tl.load(q_rows + ch[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-    return (q_ch * qk_scale * (4.0 * ch_scale)[None, :]).to(DOT)
-
-
-@triton.jit
 def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
                 vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, ktab_ptr, vtab_ptr, b, h, kv_head, length, nkp, nvp,
-                n_paged, sink_len, n_sink, qk_scale, CK, CV, KMP, VMP, boost_first,
+                n_paged, sink_len, n_sink, qk_scale, CK, CV, KMP, VMP,
                 H: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
                 V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr):
@@ -116,8 +102,7 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
     rows loaded as DOT operands as they are took 20 KB of shared memory a program for the products' layout
     conversions instead of 12 (no fewer instructions), and with that version beside the paged kernel by PDL the
     H200 measured calls up to 7 us slower at batches 1 and 8 (kivi-k2v2 at 1 / 4K: 13.5 against 6.9 us, slower
-    than without PDL; BENCHMARKS.md section 1, session 28). boost_first: _boost_operand of slot n_paged's key page
-    (or None), which the slot's blocks take instead of gathering it again."""
+    than without PDL; BENCHMARKS.md section 1, session 28)."""
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     PIECES: tl.constexpr = (G + T - 1) // T             # blocks of a slot
@@ -146,15 +131,13 @@ def _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, 
         if NB > 0:
             r = tl.arange(0, BLOCK_NB)
             rmask = r < NB
-            if boost_first is None:
-                bq = _boost_operand(kpage, q_rows, hmask, kch_ptr, kscale_ptr, qk_scale, D, NB, DOT, BLOCK_NB)
-            elif slot == n_paged:
-                bq = boost_first
-            else:
-                bq = _boost_operand(kpage, q_rows, hmask, kch_ptr, kscale_ptr, qk_scale, D, NB, DOT, BLOCK_NB)
+            ch = tl.load(kch_ptr + kpage * NB + r, mask=rmask, other=0).to(tl.int32)
+            ch_scale = tl.load(kscale_ptr + kpage * D + ch, mask=rmask, other=0.0).to(tl.float32)
+            q_ch = tl.load(q_rows + ch[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
             high = key_tile(khigh_ptr + kpage * (G4 * NB), row, r, (tok < G)[:, None] & rmask[None, :], G4, NB)
             high = ((high.to(tl.int32) >> shift) & 3).to(tl.float32)                     # (tokens, boosted)
-            boost = tl.dot(bq, tl.trans(high.to(DOT)), input_precision=PREC)
+            boost = tl.dot((q_ch * qk_scale * (4.0 * ch_scale)[None, :]).to(DOT), tl.trans(high.to(DOT)),
+                           input_precision=PREC)
     else:
         krow = tl.where(in_sink, j * T, S + (slot - nkp) * G + (u % PIECES) * T)
         keys = tl.load(kfp_ptr + (kv_head * CK + krow + t[:, None]) * D + d[None, :],
@@ -201,12 +184,10 @@ def _rest_kernel(
         qk_scale, CK, CV, KMP, VMP, NPART, FIRST_PART, NBLK,
         BPP: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False,
-        STRIDED: tl.constexpr = False, HOIST: tl.constexpr = False):
-    """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1, or with STRIDED p, p + NPROG, ... (BPP of them; NPROG
-    the launch's programs a sequence) of the NBLK launched a sequence (_rest_block numbers them) of sequence b's
-    remaining tokens for KV head h, one after the other with a running softmax, written as part FIRST_PART + p.
-    Blocks without a token of the sequence are skipped (a program with none writes an empty
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1 (of the NBLK launched a sequence; _rest_block numbers
+    them) of sequence b's remaining tokens for KV head h, one after the other with a running softmax, written as
+    part FIRST_PART + p. Blocks without a token of the sequence are skipped (a program with none writes an empty
     partial, max -inf, which the merge weighs 0). Why several blocks a program: where the launch has many programs,
     each one's queries, set-up and partial cost about as much as a block's arithmetic; one program a block keeps the
     latency low where the launch is small or the paged launch short (rest_blocks_per_program). PDL: launched beside
@@ -214,15 +195,7 @@ def _rest_kernel(
     program waits for the paged grid before it ends, so that this grid's end (what the merge waits for) means both
     are done. Only one program waits: while every program waited, the programs that had started held their
     multiprocessors' registers until the paged grid ended, and the rest could not start before then (kivi-k2v2 at
-    batch 64 / 4K: 70.0 us a call then, 65.0 now; BENCHMARKS.md section 1, session 25).
-    STRIDED and HOIST are experiments (decode_attention's kernel names "+rest-strided", "+rest-hoist") for the chains
-    of blocks that a launch alone waits for. At batch 64 / 32K kitty-pro's 9 blocks a sequence go to 2 programs, the
-    first taking the sink's and all 4 of the key page's (dequantized keys and the boosted channels' gathers: about
-    twice a 16-bit block's instructions, session 28) and the other the buffers' cheap ones; the launch alone took 31
-    us against kivi-k2v2's 14 (BENCHMARKS.md section 1, session 28). STRIDED: each program takes 2 of the key page's
-    blocks. HOIST, with several blocks a program: the boosted channels' gathered operand of slot n_paged's key page
-    (the one whose values are still 16-bit) is made once, before the blocks, so that none of them waits for the
-    gathers' chain of loads."""
+    batch 64 / 4K: 70.0 us a call then, 65.0 now; BENCHMARKS.md section 1, session 25)."""
     if PDL:
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -244,27 +217,17 @@ def _rest_kernel(
     q = tl.load(q_rows + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * qk_scale
     q_dot = q.to(DOT)
 
-    boost_first = None
-    if HOIST and NB > 0 and BPP > 1:
-        kfirst = n_paged < nkp                  # slot n_paged has a key page (its values are 16-bit)
-        kpage = tl.load(ktab_ptr + b * KMP + n_paged, mask=kfirst, other=0).to(tl.int64) * H + h
-        boost_first = _boost_operand(kpage, q_rows, hmask, kch_ptr, kscale_ptr, qk_scale, D, NB, DOT, BLOCK_NB,
-                                     kfirst)
-
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for i in range(BPP):
-        if STRIDED:
-            j = p + i * tl.num_programs(2)
-        else:
-            j = p * BPP + i
+        j = p * BPP + i
         if (j < NBLK) & _block_exists(j, n_sink, sink_len, n_paged, length, S, G, T):
             scores, values = _rest_block(j, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr, kch_ptr,
                                          kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, ktab_ptr,
                                          vtab_ptr, b, h, kv_head, length, nkp, nvp, n_paged, sink_len, n_sink,
-                                         qk_scale, CK, CV, KMP, VMP, boost_first, H, D, S, G, NB, V_BITS, DOT, PREC,
-                                         T, BLOCK_M, BLOCK_D, BLOCK_NB)
+                                         qk_scale, CK, CV, KMP, VMP, H, D, S, G, NB, V_BITS, DOT, PREC, T, BLOCK_M,
+                                         BLOCK_D, BLOCK_NB)
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             m_use = tl.where(m_new > float("-inf"), m_new, 0.0)                # rows with no score yet stay empty
             alpha = tl.math.exp2(m_i - m_use)
@@ -283,12 +246,10 @@ def _rest_kernel(
 
 
 def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,
-                          prec: str, pdl: bool = False, blocks_per_program: int = 1, strided: bool = False,
-                          hoist: bool = False) -> tuple[tuple, dict]:
+                          prec: str, pdl: bool = False, blocks_per_program: int = 1) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _rest_kernel: parts (output, max, sum) first_part ..
     first_part + rest_parts(kv, blocks_per_program) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e);
-    dot / prec: the products' operand type and input precision, decode_attention's; strided / hoist: the kernel's
-    STRIDED / HOIST experiments).
+    dot / prec: the products' operand type and input precision, decode_attention's).
     Also used to compile the kernel for a profile (kernels.sass_profile)."""
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -299,20 +260,17 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
                      PREC=prec, T=rest_block_tokens(kv.page_size), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
                      BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)),
-                     BPP=blocks_per_program, PDL=pdl, STRIDED=strided, HOIST=hoist)
+                     BPP=blocks_per_program, PDL=pdl)
     return args, constants
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
-                num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1,
-                strided: bool = False, hoist: bool = False) -> None:
+                num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1) -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program,
-    blocks_per_program blocks each (strided / hoist: the kernel's experiments STRIDED / HOIST); pdl: by programmatic
-    dependent launch, beside the paged slots' kernel launched just before; maxnreg: a register cap per thread (a
-    one-warp program of at most 176 fits beside 11 paged programs of 168 registers, which leave one scheduler 5,632
-    registers: bench tune --vary rest-pdl)."""
-    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program,
-                                            strided, hoist)
+    blocks_per_program blocks each; pdl: by programmatic dependent launch, beside the paged slots' kernel launched
+    just before; maxnreg: a register cap per thread (a one-warp program of at most 176 fits beside 11 paged programs
+    of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary rest-pdl)."""
+    args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program)
     grid = (q.shape[0], kv.k_fp.shape[1], rest_parts(kv, blocks_per_program))
     _rest_kernel[grid](*args, **constants, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
                        **({"maxnreg": maxnreg} if maxnreg else {}))

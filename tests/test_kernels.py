@@ -486,20 +486,17 @@ def test_remaining_blocks_warps(kernel, rest_warps, rest_maxnreg):
     assert rel_err(expected, decode_attention_ref(q, kv, 128 ** -0.5)) < 1.5e-2
     out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps, rest_maxnreg=rest_maxnreg)
     assert rel_err(out, expected) < 1e-3
-    for blocks, extra in ((2, ""), (9, ""), (2, "+rest-strided"), (5, "+rest-strided+rest-hoist")):
-        out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel + extra, rest_warps=rest_warps,   # as at larger
-                               rest_maxnreg=rest_maxnreg, rest_blocks=blocks)                    # batches by default
-        assert rel_err(out, expected) < 1e-3, f"{blocks} blocks a program, {extra}: {rel_err(out, expected):.2e}"
+    for blocks in (2, 9):                           # several blocks a program, as at larger batches by default
+        out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps, rest_maxnreg=rest_maxnreg,
+                               rest_blocks=blocks)
+        assert rel_err(out, expected) < 1e-3, f"{blocks} blocks a program: {rel_err(out, expected):.2e}"
 
 
-@pytest.mark.parametrize("blocks, extra", [(1, ""), (2, ""), (4, ""), (100, ""), (2, "+rest-strided"),
-                                           (3, "+rest-strided"), (2, "+rest-hoist"), (3, "+rest-strided+rest-hoist")])
-def test_remaining_blocks_any_number_a_program(blocks, extra):
+@pytest.mark.parametrize("blocks", [1, 2, 4, 100])
+def test_remaining_blocks_any_number_a_program(blocks):
     """The remaining blocks 1, 2 or 4 a program, or all of a sequence's in one (100), with a running softmax over
-    them, consecutive or with the remaining blocks' experiments (every n-th block, the boosted channels' operand of
-    the key page with 16-bit values hoisted: decode_attention.REST_EXPERIMENTS): the reference's output, the
-    partials poisoned first (a program must write its partial even when every block it was given is past its
-    sequence's end: the sequence of 17 tokens, shorter than the sink). The key pages have boosted channels, and the
+    them: the reference's output, the partials poisoned first (a program must write its partial even when every
+    block it was given is past its sequence's end: the sequence of 17 tokens, shorter than the sink). The key pages have boosted channels, and the
     sequences of 300 and 201 tokens a key page whose values are still 16-bit."""
     kv, _, _ = random_paged_kv([300, 17, 201], heads=2, head_dim=64, sink=32, page_size=64, window=64, n_boost=8,
                                dtype=torch.float16, seed=518, device=DEVICE)
@@ -507,8 +504,7 @@ def test_remaining_blocks_any_number_a_program(blocks, extra):
     workspace = DecodeWorkspace()
     for buffer in workspace.get(q, 2 + rest_parts(kv, blocks)):
         buffer.fill_(float("nan"))
-    out = decode_attention(q, kv, 64 ** -0.5, num_splits=2, workspace=workspace, rest_blocks=blocks,
-                           kernel="auto" + extra)
+    out = decode_attention(q, kv, 64 ** -0.5, num_splits=2, workspace=workspace, rest_blocks=blocks)
     assert torch.isfinite(out).all()
     assert rel_err(out, decode_attention_ref(q, kv, 64 ** -0.5)) < 2e-3
 
@@ -616,17 +612,12 @@ def test_i8_kernels_compile_for_hopper_with_integer_products():
 
 
 def test_kernel_names_add_experiments_and_bad_names_are_refused():
-    """decode_attention's kernel names: a name of KERNELS with experiments "+name" each, in any order (the same
-    options): the remaining blocks' on any kernel, the Gluon kernel's on a Gluon kernel only (its options do not
-    carry the remaining blocks' ones). Each refusal is a ValueError that names the choices: an unknown base or
-    experiment, a Gluon experiment on a kernel that is not a Gluon kernel, one twice, fold-max without zq-ahead or
-    with the 8-bit key products, a name that is not a string. decode_attention refuses them before it launches
-    anything."""
+    """decode_attention's kernel names: a name of KERNELS, or a Gluon kernel with experiments "+name" each, in any
+    order (the same options); each refusal is a ValueError that names the choices: an unknown base or experiment,
+    experiments on a kernel that is not a Gluon kernel, one twice, fold-max without zq-ahead or with the 8-bit key
+    products, a name that is not a string. decode_attention refuses them before it launches anything."""
     from kernels.decode_gluon import kernel_options
     assert kernel_parts("gluon-tma+zq-ahead+zero-heads") == ("gluon-tma", ("zq-ahead", "zero-heads"))
-    assert kernel_parts("triton+rest-strided") == ("triton", ("rest-strided",))
-    assert kernel_parts("auto+rest-hoist+rest-strided") == ("auto", ("rest-hoist", "rest-strided"))
-    assert kernel_options("gluon-tma+rest-strided+zero-rows") == kernel_options("gluon-tma+zero-rows")
     assert kernel_options("gluon-tma+zq-ahead+zero-heads") == kernel_options("gluon-tma+zero-heads+zq-ahead") == dict(
         use_tma=True, i8=0, zero_heads=True, zero_rows=False, zq_ahead=True, fold_max=False)
     assert kernel_options("gluon") == dict(use_tma=False, i8=0, zero_heads=False, zero_rows=False, zq_ahead=False,
@@ -639,7 +630,7 @@ def test_kernel_names_add_experiments_and_bad_names_are_refused():
                                seed=1, device=DEVICE)
     q = torch.randn(1, 2, 64, device=DEVICE)
     for bad in ("cuda", "triton+zero-heads", "auto+zq-ahead", "gluon-tma+zq", "gluon-tma+", "gluon-tma+zero-heads"
-                "+zero-heads", "gluon+rest-hoist+rest-hoist", "gluon-tma+fold-max", "gluon-tma-i8k+zq-ahead+fold-max",
+                "+zero-heads", "gluon+zq-ahead+zq-ahead", "gluon-tma+fold-max", "gluon-tma-i8k+zq-ahead+fold-max",
                 None):
         with pytest.raises(ValueError, match="decode kernel"):
             check_kernel(bad)
