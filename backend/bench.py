@@ -372,12 +372,10 @@ def bench_tune(args) -> dict:
                           None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16))],
                       # the Gluon kernel's experiments (decode_attention.GLUON_EXPERIMENTS) against the default, each
                       # whole, its paged launch alone and its arithmetic alone, with the GPU's clock and power: the
-                      # energy experiments together (zeros in the padding heads' columns, the sums of p in one
-                      # product), then with the keys' zero terms 16 pages a product, alone and with the energy ones,
-                      # and with the exponent's multiply-add folding the scores' weights
+                      # keys' zero terms 16 pages a product, and with the exponent's multiply-add folding the scores'
+                      # weights
                       "experiments": [{**gluon(cap, kernel=k), "loads": half} for k in (
-                          default_gluon, "gluon-tma+zero-heads+zero-rows", "gluon-tma+zq-ahead",
-                          "gluon-tma+zero-heads+zero-rows+zq-ahead", "gluon-tma+zero-heads+zero-rows+zq-ahead+fold-max")
+                          default_gluon, "gluon-tma+zq-ahead", "gluon-tma+zq-ahead+fold-max")
                           for half in (None, "whole", "arithmetic")]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
@@ -1213,7 +1211,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="*")
     parser.add_argument("--kernels", nargs="*", type=check_kernel, default=["auto"],
                         help=f"attention, quality, generate: decode kernels over the paged blocks, each measured: "
-                             f"{', '.join(KERNELS)}, or a Gluon kernel with experiments (gluon-tma+zero-heads ...: "
+                             f"{', '.join(KERNELS)}, or a Gluon kernel with experiments (gluon-tma+zq-ahead ...: "
                              f"decode_attention.GLUON_EXPERIMENTS) (default: auto, the product's choice; gluon: GPU "
                              f"only, but the 8-bit kernels' arithmetic also runs on a CPU for quality; generate: each "
                              f"Kitty method with each)")

@@ -614,28 +614,22 @@ GLUON_MAXNREG_FEW = 192
 # 8 bits a page). Experiments: they change the numbers (see BENCHMARKS.md section 1, session 20; on the default model
 # kitty-pro's KL from full precision 0.0302 exact, 0.0301 / 0.0305 with them, kivi-k2v2's 0.4023, 0.4163 / 0.4423:
 # section 3, `python -m backend.bench quality`)
-# Experiments: a Gluon kernel's name may add any of GLUON_EXPERIMENTS, "+name" each ("gluon-tma+zero-heads+zero-rows"),
+# Experiments: a Gluon kernel's name may add any of GLUON_EXPERIMENTS, "+name" each ("gluon-tma+zq-ahead+fold-max"),
 # so that one run can time them alone and together (decode_gluon.kernel_options turns them into the kernel's flags):
-# - "zero-heads": zeros in the operand columns of the tile's padding heads (a group of 4 fills 4 of 8) instead of
-#   copies of the group's last head, and their probabilities 0 (decode_gluon's ZERO_HEADS): the same numbers for the
-#   group's heads;
-# - "zero-rows": the sums of p and of p * zero in one matrix product instead of two, the values' zeros as rows of
-#   its first operand (decode_gluon's ZERO_ROWS: 8 fewer products a page, 31 more register copies);
 # - "zq-ahead": the keys' zero term sum_d q_d * zero_d of 16 pages a product, ZQ_SLOTS slots ahead, with the pages'
 #   zeros as the first operand's rows, instead of 8 products with ones a page (decode_gluon's ZQ_AHEAD);
 # - "fold-max": the scores' quarter weights and zero term applied in the exponent's multiply-add, after the page's
 #   maximum is taken from the unweighted sums (decode_gluon's FOLD_MAX: 32 fewer FADD a page, fp16 key products).
-# The first two are experiments in energy a page, for GPUs that run this kernel power-capped: measured on the H200
-# in one run (BENCHMARKS.md section 1, session 33, call 2), kitty-pro at batch 64 / 32K 417.5 and 419.2 against
-# 422.9 us, each faster or equal at every shape for kitty-pro and kivi-k2v2; their combination waits for its GPU
-# tests. The last two are written and not yet run on a GPU (session 34)
+# Measured on an H100 (BENCHMARKS.md section 1, session 35): no faster at batch 64 (kitty-pro 483.7 and 483.4 against
+# 483.8 us a call at 64 / 32K, the arithmetic alone 323.6 and 321.7 against 319.4), 0.3-0.7 us slower at batches 1
+# and 8; not yet measured on the H200, whose power cap is what they were written for.
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
-GLUON_EXPERIMENTS = ("zero-heads", "zero-rows", "zq-ahead", "fold-max")
+GLUON_EXPERIMENTS = ("zq-ahead", "fold-max")
 
 
 def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
-    """decode_attention's `kernel` -> (its base, the experiments its name adds): ("gluon-tma", ("zero-heads",)) for
-    "gluon-tma+zero-heads". ValueError for a name decode_attention does not take: a base outside KERNELS,
+    """decode_attention's `kernel` -> (its base, the experiments its name adds): ("gluon-tma", ("zq-ahead",)) for
+    "gluon-tma+zq-ahead". ValueError for a name decode_attention does not take: a base outside KERNELS,
     experiments on a kernel that is not a Gluon kernel, an unknown or repeated experiment, or "fold-max" without
     "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms)."""
     base, *extras = kernel.split("+")

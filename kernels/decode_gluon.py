@@ -20,8 +20,11 @@ instructions per page). Here the layouts are explicit (Gluon), and the page layo
   page of arithmetic. The pool stores each plane chunk by chunk, as the buffers hold it (layout.py), so a plane
   arrives as one contiguous run: one TMA box of 128-byte rows.
 - The operands' scaling is fp16 arithmetic, two elements an instruction (queries times scales, probabilities times
-  scales), and the sums that need no per-element weights are products with a first operand of ones: the keys'
-  zero term sum_d q_d * zero_d, the probabilities' sum and their sum times the values' zeros.
+  scales), and the sums that need no per-element weights are matrix products: the keys' zero term sum_d q_d *
+  zero_d with a first operand of ones, the probabilities' sum and their sum times the values' zeros in one product
+  whose first operand's rows are the zeros and ones (_zero_rows).
+- A KV group of fewer than 8 heads leaves the matrix unit's other columns to padding heads, whose operands are zero
+  (_live_heads): on the H200, which runs this kernel at its power limit, zeros cost the matrix unit less power.
 - Scores leave the key product as (token, head) accumulator tiles; the probabilities go to the value product's
   (token, head) operand through one layout conversion per token quarter.
 
@@ -512,10 +515,12 @@ def _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D: gl.constexpr, NBC: g
 @gluon.jit
 def _zero_rows(zero_s, K: gl.constexpr):
     """A (16, K) first operand, rows 0-7 the K zeros in zero_s and rows 8-15 ones, columns in operand order: its
-    products with p (_b_operand) are the sums of p * zero in rows 0-7 and of p in rows 8-15 (ZERO_ROWS), 8 products
-    a page fewer than two products with ones, and p * zero exact (not rounded to fp16). The compiler copies the
-    loaded zeros into the products' register quads beside the ones: 31 more IMAD a kitty-pro page, against 8 HMMA,
-    16 HMUL2 and 4 FMUL fewer (triton 3.6, cap 168)."""
+    products with p (_b_operand) are the sums of p * zero in rows 0-7 and of p in rows 8-15, one product a 16
+    tokens where two products with ones took two (8 HMMA, 16 HMUL2 and 4 FMUL a kitty-pro page fewer), with p * zero
+    exact instead of rounded to fp16. The compiler copies the loaded zeros into the products' register quads beside
+    the ones (31 more IMAD a page, triton 3.6, cap 168). Measured on the H200 against the two products: the paged
+    launch alone 387.2 against 392.6 us at batch 64 / 32K, faster or equal at every shape (BENCHMARKS.md section 1,
+    session 33); with _live_heads, faster or equal at every shape on an H100 too (session 35)."""
     lay: gl.constexpr = _rows_layout(K)
     zero = zero_s.load(gl.SliceLayout(0, lay))
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))[:, None]
@@ -523,21 +528,18 @@ def _zero_rows(zero_s, K: gl.constexpr):
 
 
 @gluon.jit
-def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr, I8: gl.constexpr, ZERO_ROWS: gl.constexpr = False,
-                    fold_zq=None, scale=1.0):
+def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D: gl.constexpr, G: gl.constexpr,
+                    V_BITS: gl.constexpr, I8: gl.constexpr, fold_zq=None, scale=1.0):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in vbufs
     accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @ (p * scale)
-    (token, head). The sums of p and of p * zero are products with a first operand of ones (l_t, z_t: (16 * warps,
-    HEADS) tiles, every row the sum). Returns the new running max, l_t, z_t and the 4 channel quarters' accumulators
-    (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the pages that raise no
+    (token, head). The sums of p and of p * zero are one product a 16 tokens (_zero_rows), in `sums`, a (16, HEADS)
+    tile: rows 0-7 the sum of p * zero, rows 8-15 the sum of p. Returns the new running max, the sums and the 4
+    channel quarters' accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the pages that raise no
     maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200 (BENCHMARKS.md section 1,
     session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers, p * scale rounded to s8 with one
     scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. With fp16 products, acc3 sums the whole bytes'
     products (QUARTER_ASM), which are linear in the page sums like the others: the kernel takes the other quarters off
-    once, at its end (_quarter3_sums). ZERO_ROWS (kernel="gluon-tma+zero-rows", an experiment): both sums in l_t, by one
-    product a 16 tokens with the zeros as the first operand's rows (_zero_rows), and z_t unused. fold_zq (FOLD_MAX, an
-    experiment): s0 .. s3 are the key products' unweighted sums (_key_scores' FOLD), fold_zq the page's zero terms
+    once, at its end (_quarter3_sums). fold_zq (FOLD_MAX, an experiment): s0 .. s3 are the key products' unweighted sums (_key_scores' FOLD), fold_zq the page's zero terms
     (log2 units) and scale qk_scale / Q_SCALE: the page's maximum is taken from each quarter's sums' maximum over the
     rows a thread holds, times its weight (the weights are positive), and each score's weight and the zero term less
     the running max go into the exponent's one multiply-add (_folded_max)."""
@@ -551,9 +553,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         page_max = _folded_max(s0, s1, s2, s3, scale) + fold_zq
     m_new = gl.maximum(m_i, page_max)
     alpha = gl.exp2(m_i - m_new)[None, :]
-    l_t = l_t * alpha
-    if not ZERO_ROWS:
-        z_t = z_t * alpha
+    sums = sums * alpha
     if I8:
         r = _i8_value_scale(vscale_s, page_max, m_new, G)
         i0 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
@@ -567,21 +567,16 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         acc3 = acc3 * alpha
     scores = (s0, s1, s2, s3)
     tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
-    ones = gl.full([16, G4], 1.0, DOT, gl.DotOperandLayout(0, mma, 2))
     if fold_zq is not None:
         offset = (fold_zq - m_new)[None, :]
     for i in gl.static_range(4):
-        # the probabilities in fp16, as (token, head) operands, then times the tokens' scales and zeros in fp16
+        # the probabilities in fp16, as (token, head) operands, then times the tokens' scales in fp16
         if fold_zq is None:
             x = scores[i] - m_new[None, :]
         else:
             x = scores[i] * (_pick(QUARTER_WEIGHT, i) * scale) + offset
         p = gl.convert_layout(gl.exp2(x).to(DOT), _cols_layout(G4))
-        if ZERO_ROWS:
-            l_t = mma_v2(_zero_rows(vzero_s.slice(i * G4, G4), G4), _b_operand(p, G4), l_t)
-        else:
-            l_t = mma_v2(ones, _b_operand(p, G4), l_t)
-            z_t = mma_v2(ones, _b_operand(_mul2(p, vzero_s.slice(i * G4, G4).load(tokens)[:, None]), G4), z_t)
+        sums = mma_v2(_zero_rows(vzero_s.slice(i * G4, G4), G4), _b_operand(p, G4), sums)
         pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
         codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
         if I8:
@@ -600,7 +595,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1, acc2, acc3
         acc1 = _i8_accumulate(acc1, alpha, i1, k)
         acc2 = _i8_accumulate(acc2, alpha, i2, k)
         acc3 = _i8_accumulate(acc3, alpha, i3, -k)                   # quarter 3 sums -64 * codes (I8_QUARTER_ASM)
-    return m_new, l_t, z_t, acc0, acc1, acc2, acc3
+    return m_new, sums, acc0, acc1, acc2, acc3
 
 
 @gluon.jit
@@ -891,11 +886,10 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
 def _queries(q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, lay: gl.constexpr,
              shared: gl.constexpr, live=None):
     """The group's queries times Q_SCALE in fp16, chunk by chunk into shared memory (D / KC, KC, HEADS) written
-    from registers in `lay`, times `live` if given (_live_heads). Returns (1, HEADS) pointers to the query rows (in
-    `lay`) and the shared memory. The tile columns past the group (a group of 4 fills 4 of 8) take its last head's
-    row: every column's sums are its own (no reduction crosses heads) and only the group's are stored, so their loads
-    need no mask. Zeroed by masked loads, the boosted channels' gathers cost 8 byte permutes a kitty-pro page more
-    (the masked loads' defaults) and 6 registers."""
+    from registers in `lay`, times `live` if given (_live_heads: zero in the tile's columns past the group). Returns
+    (1, HEADS) pointers to the query rows (in `lay`) and the shared memory. Those columns' pointers take the group's
+    last head's row, so that their loads need no mask (masked, the boosted channels' gathers cost 8 byte permutes a
+    kitty-pro page more, the masked loads' defaults, and 6 registers), and `live` zeroes what they load."""
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay))
     q_rows = q_ptr + ((b * H + h) * GROUP + gl.minimum(heads, GROUP - 1)[None, :]).to(gl.int64) * D
     q_s = gl.allocate_shared_memory(DOT, [D // KC, KC, HEADS], shared)
@@ -910,33 +904,34 @@ def _queries(q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
 
 @gluon.jit
 def _live_heads(GROUP: gl.constexpr, lay: gl.constexpr):
-    """ZERO_HEADS (kernel="gluon-tma+zero-heads", an experiment): (1, HEADS) fp32 in `lay`, 1 for the group's heads
-    and 0 for the tile's padding columns past it. The queries in shared memory (_queries) and the boosted channels'
-    gathered ones (_key_scores) are multiplied by it, so that the matrix unit multiplies zeros in those columns
-    instead of copies of the last head's operands. Measured on the H200 (kitty-pro, batch 64 / 32K): the arithmetic
-    alone drew 400 W instead of 426 at the same clock and time, and the power-capped paged launch took 383.7 us
-    instead of 392.6 (BENCHMARKS.md section 1, session 33, call 2)."""
+    """(1, HEADS) fp32 in `lay`: 1 for the group's heads, 0 for the tile's padding columns past it (a group of 4 fills
+    4 of the matrix unit's 8). The queries in shared memory (_queries) and the fp16 kernels' boosted channels'
+    gathered ones (_key_scores) are multiplied by it, and the padding heads' running max starts at PAD_HEAD_MAX:
+    every fp16 second operand is zero in those columns. Measured on the H200 against copies of the group's last head
+    there (kitty-pro at batch 64 / 32K): the arithmetic alone drew 400 W instead of 426 at the same clock and time,
+    and the power-capped paged launch ran 30 MHz faster, 383.7 against 392.6 us (faster or equal at every shape, the
+    group's numbers the same bit for bit; BENCHMARKS.md section 1, session 33); with _zero_rows, faster or equal at
+    every shape on an H100 too (session 35)."""
     return gl.where(gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay)) < GROUP, 1.0, 0.0)[None, :]
 
 
-# the running max that ZERO_HEADS starts the padding heads at: 2^(score - PAD_HEAD_MAX) is 0 for any score a page
-# can have, and finite, so that alpha = 2^(PAD_HEAD_MAX - PAD_HEAD_MAX) is 1, not NaN
+# the running max that the padding heads start at: 2^(score - PAD_HEAD_MAX) is 0 for any score a page can have, and
+# finite, so that alpha = 2^(PAD_HEAD_MAX - PAD_HEAD_MAX) is 1, not NaN: their probabilities are 0 on every page
 PAD_HEAD_MAX = gl.constexpr(1.0e30)
 
 
 @gluon.jit
 def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s, q_rows, qk_scale, kscale_rows,
           live, zq_row, pad_zero, pipeline, state, H: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
-          NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr, ZERO_ROWS: gl.constexpr,
-          FOLD: gl.constexpr, COMPUTE: gl.constexpr, COPIES: gl.constexpr, WAITS: gl.constexpr, PAD: gl.constexpr,
+          NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr, FOLD: gl.constexpr, COMPUTE: gl.constexpr, COPIES: gl.constexpr, WAITS: gl.constexpr, PAD: gl.constexpr,
           PAD_N: gl.constexpr):
     """Paged slot `slot` of _gluon_paged_kernel's loop (its arguments; keys / values: the page tensors' pointers or
     descriptors; zq_row: the slot's keys' zero terms, ZQ_AHEAD, or None): wait for its keys, their scores, refill the
     key buffer with the next slot's, wait for its values, the softmax and value products, refill the value buffer.
     pipeline: (phase, this slot's key page, the next slot's key and value pages, key and value waits), state: (running
-    max, l_t, z_t, the 4 accumulators); returns both after the slot."""
+    max, the sums of p and of p * zero, the 4 accumulators); returns both after the slot."""
     phase, kpage, kpage_next, vpage_next, key_wait, value_wait = pipeline
-    m_i, l_t, z_t, acc0, acc1, acc2, acc3 = state
+    m_i, sums, acc0, acc1, acc2, acc3 = state
     klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr = keys
     vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr = values
     more = COPIES and slot + 1 < end
@@ -967,15 +962,15 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
         fold_zq = None
         if FOLD:
             fold_zq = zq_row
-        m_i, l_t, z_t, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, l_t, z_t, acc0, acc1,
-                                                                acc2, acc3, D, G, V_BITS, I8 == 2, ZERO_ROWS,
-                                                                fold_zq, qk_scale * (1.0 / Q_SCALE))
+        m_i, sums, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2,
+                                                            acc3, D, G, V_BITS, I8 == 2, fold_zq,
+                                                            qk_scale * (1.0 / Q_SCALE))
     _BARRIER()                                      # the value reads are done: refill the value buffer
     if more:
         _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
     _commit(TMA)
     return ((phase ^ 1, kpage_next, kpage_after, vpage_after, key_wait, value_wait),
-            (m_i, l_t, z_t, acc0, acc1, acc2, acc3))
+            (m_i, sums, acc0, acc1, acc2, acc3))
 
 
 # int64 a program in the kernel's times_ptr: start, end, multiprocessor, key and value waits, cycles (and 2 unused)
@@ -990,17 +985,16 @@ def _gluon_paged_kernel(
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZERO_HEADS: gl.constexpr = False,
-        ZERO_ROWS: gl.constexpr = False, ZQ_AHEAD: gl.constexpr = False, FOLD_MAX: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZQ_AHEAD: gl.constexpr = False,
+        FOLD_MAX: gl.constexpr = False, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
         PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows /
-    kzero_rows: the key scales and zeros as pointers, for the boosted channels' gather and ZQ_AHEAD's. Experiments
-    (decode_attention.GLUON_EXPERIMENTS): ZERO_HEADS, zeros in the padding heads' operand columns (_live_heads);
-    ZERO_ROWS, the sums of p and of p * zero in one product (_zero_rows); ZQ_AHEAD, the keys' zero terms a window of
+    kzero_rows: the key scales and zeros as pointers, for the boosted channels' gather and ZQ_AHEAD's. The tile's
+    columns past the group get zero operands (_live_heads). Experiments (decode_attention.GLUON_EXPERIMENTS):
+    ZQ_AHEAD, the keys' zero terms a window of
     ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the loop over slots (_slot) nested in a loop over
     windows; FOLD_MAX (with ZQ_AHEAD), the scores' weights and zero term in the exponent (_folded_max). PDL: the
     remaining blocks' kernel after it may start at once (decode_launches' pdl). Two measurements that are not
@@ -1039,19 +1033,16 @@ def _gluon_paged_kernel(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
         kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA, not ZQ)
     zq_s = _zero_term_buffer(ZQ)
-    live = None
-    if ZERO_HEADS:
+    mma: gl.constexpr = _mma()
+    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
+    live = None                                     # zeros in the tile's columns past the group (_live_heads)
+    if GROUP < HEADS:
         live = _live_heads(GROUP, _cols_layout(KC))
     q_rows, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared(), live)
-
-    mma: gl.constexpr = _mma()
-    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    if ZERO_HEADS:
-        # the padding heads' running max starts above any score: their probabilities are 0 on every page (and
-        # their running sums stay 0: alpha is 2^0), so the value products' second operands are zero there too
-        m_i = gl.where(gl.arange(0, HEADS, layout=m_i.type.layout) < GROUP, m_i, PAD_HEAD_MAX)
-    l_t = gl.zeros([16, HEADS], gl.float32, mma)       # sums of p and of p * zero on every row
-    z_t = gl.zeros([16, HEADS], gl.float32, mma)
+    # the padding heads' running max starts above any score: their probabilities are 0 on every page (and their
+    # running sums stay 0: alpha is 2^0), so the value products' second operands are zero there too
+    m_i = gl.where(heads < GROUP, float("-inf"), PAD_HEAD_MAX)
+    sums = gl.zeros([16, HEADS], gl.float32, mma)   # sums of p * zero (rows 0-7) and of p (rows 8-15): _zero_rows
     acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
@@ -1063,7 +1054,7 @@ def _gluon_paged_kernel(
     keys = (klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr)
     values = (vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr)
     pipeline = (phase, kpage, kpage_next, vpage_next, key_wait, value_wait)
-    state = (m_i, l_t, z_t, acc0, acc1, acc2, acc3)
+    state = (m_i, sums, acc0, acc1, acc2, acc3)
     if ZQ:
         # windows of ZQ_SLOTS slots, each one's keys' zero terms first (the page loop the inner one: what a page costs
         # stays the loop that kernels.sass_profile counts)
@@ -1074,31 +1065,28 @@ def _gluon_paged_kernel(
             for slot in range(first, gl.minimum(first + ZQ_SLOTS, end)):
                 pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
                                         q_rows, qk_scale, kscale_rows, live, _zero_term(zq_s, slot - first),
-                                        pad_zero, pipeline, state, H, D, G, NB, V_BITS, TMA, I8, ZERO_ROWS, FOLD,
-                                        COMPUTE, COPIES, WAITS, PAD, PAD_N)
+                                        pad_zero, pipeline, state, H, D, G, NB, V_BITS, TMA, I8, FOLD, COMPUTE,
+                                        COPIES, WAITS, PAD, PAD_N)
     else:
         for slot in range(start, end):
             pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
                                     q_rows, qk_scale, kscale_rows, live, None, pad_zero, pipeline, state, H, D, G, NB,
-                                    V_BITS, TMA, I8, ZERO_ROWS, FOLD, COMPUTE, COPIES, WAITS, PAD, PAD_N)
+                                    V_BITS, TMA, I8, FOLD, COMPUTE, COPIES, WAITS, PAD, PAD_N)
     key_wait, value_wait = pipeline[4], pipeline[5]
-    m_i, l_t, z_t, acc0, acc1, acc2, acc3 = state
+    m_i, sums, acc0, acc1, acc2, acc3 = state
     if not TMA:
         async_copy.wait_group(0)
 
-    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
     hmask = heads < GROUP
     idx = ((b * H + h) * GROUP + heads).to(gl.int64) * NPART + part
     gl.store(pm_ptr + idx, m_i, mask=hmask)
-    if ZERO_ROWS:
-        rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))[:, None]
-        z_t = gl.where(rows < 8, l_t, float("-inf"))
-        l_t = gl.where(rows < 8, float("-inf"), l_t)
-    gl.store(pl_ptr + idx, gl.max(l_t, axis=0), mask=hmask)           # rows all equal: any one of them
+    # each half of the sums' rows holds one sum 8 times: the largest of them is it
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))[:, None]
+    gl.store(pl_ptr + idx, gl.max(gl.where(rows < 8, float("-inf"), sums), axis=0), mask=hmask)
     c = gl.arange(0, D4, layout=gl.SliceLayout(1, mma))
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
-    zrow = gl.max(z_t, axis=0)[None, :]
+    zrow = gl.max(gl.where(rows < 8, sums, float("-inf")), axis=0)[None, :]
     if I8 < 2:
         acc3 = _quarter3_sums(acc0, acc1, acc2, acc3)
     gl.store(out, acc0 * _pick(QUARTER_WEIGHT, 0) + zrow, mask=omask)
@@ -1237,7 +1225,7 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
     use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here), i8 the kernel's
-    I8, experiments its experiments' flags by kernel_options' names (zero_heads: ZERO_HEADS, ...). Also used to
+    I8, experiments its experiments' flags by kernel_options' names (zq_ahead: ZQ_AHEAD, ...). Also used to
     compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
@@ -1264,8 +1252,7 @@ I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2
 
 def kernel_options(kernel: str) -> dict:
     """decode_attention's Gluon `kernel`, with the experiments its name adds (decode_attention.kernel_parts) ->
-    launch's (and kernel_arguments') options that make it: use_tma, i8, zero_heads, zero_rows, zq_ahead,
-    fold_max."""
+    launch's (and kernel_arguments') options that make it: use_tma, i8, zq_ahead, fold_max."""
     from .decode_attention import GLUON_EXPERIMENTS, kernel_parts
     base, extras = kernel_parts(kernel)
     return dict(use_tma=base != "gluon", i8=I8_PRODUCTS[base],
@@ -1285,7 +1272,7 @@ def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int
            pad: tuple[str, int] | None = None, **experiments: bool) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only);
-    experiments: the experiments' flags (kernel_options: zero_heads, zero_rows, zq_ahead, fold_max).
+    experiments: the experiments' flags (kernel_options: zq_ahead, fold_max).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
     TIMES_ROW a program), each program's start, end and multiprocessor, and with waits its cycles waiting for keys
     and for values and in all (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N."""

@@ -97,7 +97,7 @@ def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
     bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline, with
     waits also its waits for pages; pad: (kind, instructions a page) more, --vary pad; experiments: the flags of
-    decode_gluon.kernel_options, zero_heads=True ...)."""
+    decode_gluon.kernel_options, zq_ahead=True ...)."""
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     return compile_gluon_launch(q, kv, splits, arch, maxnreg, use_tma, pdl, i8, compute, copies, times, waits, pad,

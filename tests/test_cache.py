@@ -279,7 +279,7 @@ def test_decode_kernel_setting_reaches_every_decode_step_and_bad_values_are_refu
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
     assert make_cache(model, cfg, decode_kernel="gluon-tma+zq-ahead+fold-max").layers[0].decode_kernel == \
         "gluon-tma+zq-ahead+fold-max"
-    for bad in ("cuda", "gluon-tma+fold-max", "triton+zero-heads", None):
+    for bad in ("cuda", "gluon-tma+fold-max", "triton+zq-ahead", None):
         with pytest.raises(ValueError, match="decode_kernel"):
             make_cache(model, cfg, decode_kernel=bad)
 
@@ -295,7 +295,7 @@ def test_the_8bit_kernels_arithmetic_decodes_on_the_reference_path(monkeypatch):
     ids = torch.randint(3, 256, (2, 80), generator=torch.Generator().manual_seed(3))
     exact = feed(model, ids, make_cache(model, cfg, use_triton=False), prefix=40)
     real = backend.cache.decode_attention_i8_ref
-    for kernel, values in (("gluon-tma-i8k", False), ("gluon-tma-i8+zero-heads+zq-ahead", True)):
+    for kernel, values in (("gluon-tma-i8k", False), ("gluon-tma-i8+zq-ahead", True)):
         asked = []
         monkeypatch.setattr(backend.cache, "decode_attention_i8_ref",
                             lambda *a, **k: asked.append(k["values"]) or real(*a, **k))
