@@ -63,7 +63,7 @@ import triton.testing
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
                                       DecodeWorkspace, check_kernel, choose_kernel, decode_attention, decode_launches,
                                       default_splits, gluon_maxnreg, multiprocessors, resident_programs, split_count)
-from kernels.decode_rest import rest_blocks
+from kernels.decode_rest import rest_blocks, rest_parts
 from kernels.layout import key_page_bytes, value_page_bytes
 
 from . import memory
@@ -362,9 +362,12 @@ def bench_tune(args) -> dict:
                       # can (ncu: about 10 of 12 warps active on average at batch 64 / 32K, session 24)
                       # and (the page loop then reads the clock around its waits) how long its programs waited for
                       # their key pages and their value pages; and whether 8 launches in a row, eager and in one CUDA
-                      # graph, overlap or leave gaps (back_to_back)
+                      # graph, overlap or leave gaps (back_to_back); and a whole call by PDL (the default), with the
+                      # remaining blocks' programs too: when they start and end against the paged programs, the tail
+                      # that a call adds to its paged launch (call_timeline)
                       "timeline": [{**gluon(cap), "loads": half, "timeline": t} for half, t in (
-                          ("whole", True), ("arithmetic", True), ("whole", "waits"))],
+                          ("whole", True), ("arithmetic", True), ("whole", "waits"))]
+                      + [{**gluon(cap), "pdl": True, "timeline": "call"}],
                       # what one more instruction of each kind costs the default kernel's paged launch: 64 and 128
                       # more LOP3 (the integer pipe, as the unpacking's ANDs), FFMA (the multiply-add pipe) a page,
                       # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD)
@@ -379,7 +382,7 @@ def bench_tune(args) -> dict:
                           for half in (None, "whole", "arithmetic")]}
             settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
             settings = [s for i, s in enumerate(settings) if s not in settings[:i]
-                        and (not s["loads"] or gluon_supports_tma(q, kv))]          # the halves' launches: TMA
+                        and (not (s["loads"] or s["timeline"]) or gluon_supports_tma(q, kv))]  # the halves, timelines
             for setting in settings:
                 run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
                                                num_warps=setting["warps"], num_stages=setting["stages"],
@@ -391,6 +394,12 @@ def bench_tune(args) -> dict:
                 if setting["timeline"]:
                     times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64,
                                         device=device)
+                if setting["timeline"] == "call":
+                    # the remaining blocks' programs: at most one a block (rest_parts with one block a program)
+                    rest_times = torch.zeros(batch * h * rest_parts(kv), TIMES_ROW.value, dtype=torch.int64,
+                                             device=device)
+                    run = decode_launches(q, kv, d ** -0.5, num_splits=setting["splits"], maxnreg=setting["maxnreg"],
+                                          kernel=setting["kernel"], pdl=True, times=(times, rest_times))
                 if setting["loads"]:
                     run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
                                      setting["pad"], setting["timeline"] == "waits", setting["kernel"])
@@ -403,7 +412,10 @@ def bench_tune(args) -> dict:
                 rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
                                  us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels,
                                  paged_gbs=paged_bytes(kv) / seconds / 1e9, **clocks))
-                if times is not None:
+                if setting["timeline"] == "call":
+                    rows[-1]["call"] = call_timeline(times.cpu(), rest_times.cpu())
+                    print("    call timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["call"].items()))
+                elif times is not None:
                     rows[-1]["programs"] = timeline(times.cpu())
                     print("    timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["programs"].items()))
                     rows[-1]["launches"] = back_to_back(lambda t: paged_half(
@@ -539,6 +551,23 @@ def timeline(times: torch.Tensor) -> dict:
             **({"key_wait_pct": 100 * times[:, 3].sum().item() / times[:, 5].sum().item(),
                 "value_wait_pct": 100 * times[:, 4].sum().item() / times[:, 5].sum().item()}
                if times.shape[1] > 5 and times[:, 5].sum() > 0 else {})}
+
+
+def call_timeline(paged: torch.Tensor, remaining: torch.Tensor) -> dict:
+    """A whole call's paged and remaining blocks' programs from their timeline rows (rows never written, past a
+    launch's programs, are dropped), in µs from the paged launch's first start: the paged launch's span and how
+    long its programs took to end (the last end after the first); the remaining blocks' programs' first start, how
+    many of them started before the paged launch's last end (%), their median time, and their last end after the
+    paged launch's last end: the tail that they add to the paged launch (the merge comes after both)."""
+    paged, remaining = paged[paged[:, 1] > 0], remaining[remaining[:, 1] > 0]
+    origin = paged[:, 0].min()
+    p_start, p_end = (paged[:, 0] - origin).double() / 1e3, (paged[:, 1] - origin).double() / 1e3
+    r_start, r_end = (remaining[:, 0] - origin).double() / 1e3, (remaining[:, 1] - origin).double() / 1e3
+    last = float(p_end.max())
+    return {"paged_span_us": last, "paged_ends_us": last - float(p_end.min()),
+            "rest_first_start_us": float(r_start.min()),
+            "rest_started_before_paged_end_pct": 100 * float((r_start < last).double().mean()),
+            "rest_median_us": float((r_end - r_start).median()), "tail_us": float(r_end.max()) - last}
 
 
 def back_to_back(make_run, rows: int, device: str, launches: int = 8) -> dict:

@@ -744,7 +744,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
                     workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                     pdl: bool | None = None, rest_maxnreg: int | None = None,
-                    rest_blocks: int | None = None) -> DecodeLaunches:
+                    rest_blocks: int | None = None, times: tuple | None = None) -> DecodeLaunches:
     """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
     the merge, with the kernel, split, register cap and warps resolved as it resolves them.
 
@@ -754,7 +754,10 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     1 the GPU is mostly idle then) or, where the paged programs fill the multiprocessors, as they end, and the last
     of them waits for the paged grid before it ends; the merge starts early too and waits for both grids before it
     reads a partial. Why: at batch 1 / 4K a call is three latency-bound launches in a row, 3.8 + 4.8 + 1.7 us and
-    about 1 us of gaps, against SDPA's 9.2 (BENCHMARKS.md section 1, session 18)."""
+    about 1 us of gaps, against SDPA's 9.2 (BENCHMARKS.md section 1, session 18).
+    times (a measurement, `bench tune --vary timeline`; a Gluon paged kernel only): two int64 buffers, (paged,
+    remaining), of TIMES_ROW (decode_gluon's) a program, at least as many rows as each launch's programs, to which
+    each program of the paged and of the remaining blocks' launch writes when it started and ended, and where."""
     check_kernel(kernel)                            # a name it does not take: ValueError
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
@@ -787,7 +790,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
     def remaining():
         launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
-                    rest_blocks)
+                    rest_blocks, times[1] if times else None)
 
     if is_gluon(kernel):
         from . import decode_gluon
@@ -796,7 +799,9 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
 
         def paged():
             decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, descriptors=descriptors, pdl=pdl,
-                                **options)
+                                times=times[0] if times else None, **options)
+    elif times:
+        raise ValueError(f"times: the paged launch's programs write them in a Gluon kernel, not in {kernel!r}")
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
 

@@ -534,15 +534,16 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D:
     accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @ (p * scale)
     (token, head). The sums of p and of p * zero are one product a 16 tokens (_zero_rows), in `sums`, a (16, HEADS)
     tile: rows 0-7 the sum of p * zero, rows 8-15 the sum of p. Returns the new running max, the sums and the 4
-    channel quarters' accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every page: skipping the pages that raise no
-    maximum (alpha = 1) saved 44 instructions on them and no time beyond noise on the H200 (BENCHMARKS.md section 1,
-    session 14). I8 (2-bit values, pages of 128): the value products in 8-bit integers, p * scale rounded to s8 with one
-    scale per head a page (_i8_value_scale), summed from I8_MAGIC a page. With fp16 products, acc3 sums the whole bytes'
-    products (QUARTER_ASM), which are linear in the page sums like the others: the kernel takes the other quarters off
-    once, at its end (_quarter3_sums). fold_zq (FOLD_MAX, an experiment): s0 .. s3 are the key products' unweighted sums (_key_scores' FOLD), fold_zq the page's zero terms
-    (log2 units) and scale qk_scale / Q_SCALE: the page's maximum is taken from each quarter's sums' maximum over the
-    rows a thread holds, times its weight (the weights are positive), and each score's weight and the zero term less
-    the running max go into the exponent's one multiply-add (_folded_max)."""
+    channel quarters' accumulators (channel quarter i times 4^i * 2^-24). The running sums are rescaled on every
+    page: skipping the pages that raise no maximum (alpha = 1) saved 44 instructions on them and no time beyond
+    noise on the H200 (BENCHMARKS.md section 1, session 14). I8 (2-bit values, pages of 128): the value products in
+    8-bit integers, p * scale rounded to s8 with one scale per head a page (_i8_value_scale), summed from I8_MAGIC a
+    page. With fp16 products, acc3 sums the whole bytes' products (QUARTER_ASM), which are linear in the page sums
+    like the others: the kernel takes the other quarters off once, at its end (_quarter3_sums). fold_zq (FOLD_MAX,
+    an experiment): s0 .. s3 are the key products' unweighted sums (_key_scores' FOLD), fold_zq the page's zero
+    terms (log2 units) and scale qk_scale / Q_SCALE: the page's maximum is taken from each quarter's sums' maximum
+    over the rows a thread holds, times its weight (the weights are positive), and each score's weight and the zero
+    term less the running max go into the exponent's one multiply-add (_folded_max)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -923,8 +924,8 @@ PAD_HEAD_MAX = gl.constexpr(1.0e30)
 @gluon.jit
 def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s, q_rows, qk_scale, kscale_rows,
           live, zq_row, pad_zero, pipeline, state, H: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
-          NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr, FOLD: gl.constexpr, COMPUTE: gl.constexpr, COPIES: gl.constexpr, WAITS: gl.constexpr, PAD: gl.constexpr,
-          PAD_N: gl.constexpr):
+          NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr, FOLD: gl.constexpr,
+          COMPUTE: gl.constexpr, COPIES: gl.constexpr, WAITS: gl.constexpr, PAD: gl.constexpr, PAD_N: gl.constexpr):
     """Paged slot `slot` of _gluon_paged_kernel's loop (its arguments; keys / values: the page tensors' pointers or
     descriptors; zq_row: the slot's keys' zero terms, ZQ_AHEAD, or None): wait for its keys, their scores, refill the
     key buffer with the next slot's, wait for its values, the softmax and value products, refill the value buffer.

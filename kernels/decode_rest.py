@@ -22,10 +22,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
 from .layout import PagedKV, key_tile, value_tile
 
+# int64 a program in the kernel's times_ptr: start, end, multiprocessor and 5 unused, the rows of decode_gluon's
+# TIMES_ROW, so that one reader (backend.bench.timeline) takes both kernels' times
+TIMES_ROW = tl.constexpr(8)
 # Tokens of a block. 64 and 128 (one block a program then: fewer partials to write and merge at large batch, more
 # latency a program) were slower or no faster at all six Qwen3-8B shapes (BENCHMARKS.md section 1, session 13).
 REST_TOKENS = 32
@@ -184,7 +187,8 @@ def _rest_kernel(
         qk_scale, CK, CV, KMP, VMP, NPART, FIRST_PART, NBLK,
         BPP: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False,
+        times_ptr=None):
     """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1 (of the NBLK launched a sequence; _rest_block numbers
     them) of sequence b's remaining tokens for KV head h, one after the other with a running softmax, written as
     part FIRST_PART + p. Blocks without a token of the sequence are skipped (a program with none writes an empty
@@ -195,7 +199,12 @@ def _rest_kernel(
     program waits for the paged grid before it ends, so that this grid's end (what the merge waits for) means both
     are done. Only one program waits: while every program waited, the programs that had started held their
     multiprocessors' registers until the paged grid ended, and the rest could not start before then (kivi-k2v2 at
-    batch 64 / 4K: 70.0 us a call then, 65.0 now; BENCHMARKS.md section 1, session 25)."""
+    batch 64 / 4K: 70.0 us a call then, 65.0 now; BENCHMARKS.md section 1, session 25). times_ptr (a measurement,
+    `bench tune --vary timeline`): each program writes when it started and ended (%globaltimer, ns; its end before
+    the last program's wait) and its multiprocessor, TIMES_ROW int64 a program in grid order, as the Gluon kernel's
+    programs do (decode_gluon.TIMES_ROW)."""
+    if times_ptr is not None:
+        started = globaltimer()
     if PDL:
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -240,6 +249,11 @@ def _rest_kernel(
     tl.store(pm_ptr + idx, m_i, mask=hmask)
     tl.store(pl_ptr + idx, l_i, mask=hmask)
     tl.store(po_ptr + idx[:, None] * D + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+    if times_ptr is not None:
+        row = times_ptr + ((b * H + h) * tl.num_programs(2) + p).to(tl.int64) * TIMES_ROW
+        tl.store(row, started)
+        tl.store(row + 1, globaltimer())
+        tl.store(row + 2, smid().to(tl.int64))
     if PDL:
         if (b == tl.num_programs(0) - 1) & (h == tl.num_programs(1) - 1) & (p == tl.num_programs(2) - 1):
             gdc_wait()
@@ -265,12 +279,15 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
-                num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1) -> None:
+                num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1,
+                times: torch.Tensor | None = None) -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program,
     blocks_per_program blocks each; pdl: by programmatic dependent launch, beside the paged slots' kernel launched
     just before; maxnreg: a register cap per thread (a one-warp program of at most 176 fits beside 11 paged programs
-    of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary rest-pdl)."""
+    of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary rest-pdl); times (a measurement,
+    int64, TIMES_ROW a program, at least as many rows as programs): the kernel's times_ptr."""
     args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program)
     grid = (q.shape[0], kv.k_fp.shape[1], rest_parts(kv, blocks_per_program))
-    _rest_kernel[grid](*args, **constants, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+    _rest_kernel[grid](*args, **constants, times_ptr=times, num_warps=num_warps,
+                       **({"launch_pdl": True} if pdl else {}),
                        **({"maxnreg": maxnreg} if maxnreg else {}))

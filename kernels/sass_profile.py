@@ -71,13 +71,15 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                        arch: int = 90, num_warps: int = 2, pdl: bool = False, blocks_per_program: int = 1):
+                        arch: int = 90, num_warps: int = 2, pdl: bool = False, blocks_per_program: int = 1,
+                        times: bool = False):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel, its
-    programs taking blocks_per_program blocks each."""
+    programs taking blocks_per_program blocks each (times: writing each program's start, end and multiprocessor,
+    bench tune --vary timeline)."""
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import dot_dtype, precision
-    from kernels.decode_rest import _rest_kernel, rest_kernel_arguments, rest_parts
+    from kernels.decode_rest import TIMES_ROW, _rest_kernel, rest_kernel_arguments, rest_parts
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     n = rest_parts(kv, blocks_per_program)
@@ -85,7 +87,9 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
              torch.zeros(1, heads * group, n))
     args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
                                             pdl, blocks_per_program)
-    return _compile(ASTSource, _rest_kernel, args, constants, arch, {"num_warps": num_warps})
+    return _compile(ASTSource, _rest_kernel, args, {**constants, **({} if times else {"times_ptr": None})}, arch,
+                    {"num_warps": num_warps},
+                    {"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else None)
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,

@@ -24,9 +24,9 @@ from backend.cache import KittyLayer
 from backend.methods import method_config
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC,
                                       DecodeWorkspace, balanced_splits, check_kernel, decode_attention,
-                                      decode_attention_ref, default_splits, field_weights, gather_kv, gluon_maxnreg,
-                                      is_gluon, kernel_parts, merge_blocks, merge_splits, multiprocessors,
-                                      split_count, unpack_asm)
+                                      decode_attention_ref, decode_launches, default_splits, field_weights, gather_kv,
+                                      gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
+                                      multiprocessors, split_count, unpack_asm)
 from kernels.decode_rest import REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_parts, rest_warps
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
@@ -487,8 +487,8 @@ def test_remaining_blocks_warps(kernel, rest_warps, rest_maxnreg):
 def test_remaining_blocks_any_number_a_program(blocks):
     """The remaining blocks 1, 2 or 4 a program, or all of a sequence's in one (100), with a running softmax over
     them: the reference's output, the partials poisoned first (a program must write its partial even when every
-    block it was given is past its sequence's end: the sequence of 17 tokens, shorter than the sink). The key pages have boosted channels, and the
-    sequences of 300 and 201 tokens a key page whose values are still 16-bit."""
+    block it was given is past its sequence's end: the sequence of 17 tokens, shorter than the sink). The key pages
+    have boosted channels, and the sequences of 300 and 201 tokens a key page whose values are still 16-bit."""
     kv, _, _ = random_paged_kv([300, 17, 201], heads=2, head_dim=64, sink=32, page_size=64, window=64, n_boost=8,
                                dtype=torch.float16, seed=518, device=DEVICE)
     q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(1)).half().to(DEVICE)
@@ -802,6 +802,50 @@ def test_the_kernels_timeline_reads_the_clock_outside_its_loop():
     assert without[1:] == [0, 0, 0] and with_times[1:] == [2, 1, 0], run.stdout
     assert abs(with_times[0] - without[0]) <= 2, run.stdout
     assert with_waits[1:] == [2, 1, 6] and with_waits[0] > without[0], run.stdout
+
+
+def test_the_remaining_blocks_timeline_reads_the_clock_twice():
+    """Without a GPU: with times_ptr (bench tune --vary timeline's whole call) the remaining blocks' kernel reads
+    %globaltimer when a program starts and ends and %smid once, with one block a program and with five; without, none
+    of them."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.sass_profile import compile_rest_kernel
+        for times in (False, True):
+            for blocks in (1, 5):
+                ptx = compile_rest_kernel("kitty-pro", torch.bfloat16, 4, blocks_per_program=blocks,
+                                          times=times).asm["ptx"]
+                print(ptx.count("%globaltimer"), ptx.count("%smid"))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["0", "0"] * 2 + ["2", "1"] * 2, run.stdout
+
+
+def test_a_calls_timeline_takes_a_gluon_paged_kernel():
+    """decode_launches' times (bench tune --vary timeline's whole call): on a GPU with a Gluon kernel, every program
+    of the paged launch and of the remaining blocks' writes its row (start before end, its multiprocessor), the rows
+    past the launches' programs stay as they were, and the call decodes what it decodes without them; with the
+    Triton kernel (a CPU's), a ValueError before anything runs."""
+    kv, _, _ = random_paged_kv([600, 170], heads=2, head_dim=128, sink=32, page_size=64, window=64, n_boost=16,
+                               dtype=torch.bfloat16, seed=7, device=DEVICE)
+    q = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
+    paged = torch.zeros(2 * 2 * 3 + 5, 8, dtype=torch.int64, device=DEVICE)
+    rest = torch.zeros(2 * 2 * rest_parts(kv) + 5, 8, dtype=torch.int64, device=DEVICE)
+    if DEVICE != "cuda" or not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="Gluon kernel"):
+            decode_launches(q, kv, 128 ** -0.5, num_splits=3, times=(paged, rest))
+        return
+    kernel = "gluon-tma" if torch.cuda.get_device_capability()[0] == 9 else "gluon"
+    out = decode_launches(q, kv, 128 ** -0.5, num_splits=3, kernel=kernel, rest_blocks=1, times=(paged, rest))()
+    expected = decode_attention(q, kv, 128 ** -0.5, num_splits=3, kernel=kernel, rest_blocks=1)
+    assert torch.equal(out, expected)
+    sms = multiprocessors(q.device)
+    for rows, programs in ((paged.cpu(), 2 * 2 * 3), (rest.cpu(), 2 * 2 * rest_parts(kv))):
+        written = rows[:programs]
+        assert (written[:, 0] > 0).all() and (written[:, 1] >= written[:, 0]).all(), written
+        assert ((written[:, 2] >= 0) & (written[:, 2] < sms)).all() and not rows[programs:].any()
 
 
 def test_tma_destinations_are_aligned_in_shared_memory():
