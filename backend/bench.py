@@ -63,7 +63,7 @@ import triton.testing
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
                                       DecodeWorkspace, check_kernel, choose_kernel, decode_attention, decode_launches,
                                       default_splits, gluon_maxnreg, multiprocessors, resident_programs, split_count)
-from kernels.decode_rest import rest_blocks, rest_parts
+from kernels.decode_rest import TIMES_ROW, rest_blocks, rest_parts
 from kernels.layout import key_page_bytes, value_page_bytes
 
 from . import memory
@@ -281,7 +281,6 @@ def bench_tune(args) -> dict:
     method = (args.methods or ["kitty-pro"])[0]
     sm_count = multiprocessors(torch.device(device))
     from kernels.decode_gluon import resident_programs as gluon_resident
-    from kernels.decode_gluon import TIMES_ROW
     from kernels.decode_gluon import supports_tma as gluon_supports_tma
     rows = []
     for length in lengths:
@@ -577,7 +576,6 @@ def back_to_back(make_run, rows: int, device: str, launches: int = 8) -> dict:
     launch took 385.3 µs a launch in graph replays, while one eager launch's programs spanned 408.8 µs."""
     if device != "cuda":
         return {}
-    from kernels.decode_gluon import TIMES_ROW
     result = {}
     for mode in ("eager", "graph"):
         buffers = [torch.zeros(rows, TIMES_ROW.value, dtype=torch.int64, device=device) for _ in range(launches)]

@@ -756,7 +756,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     reads a partial. Why: at batch 1 / 4K a call is three latency-bound launches in a row, 3.8 + 4.8 + 1.7 us and
     about 1 us of gaps, against SDPA's 9.2 (BENCHMARKS.md section 1, session 18).
     times (a measurement, `bench tune --vary timeline`; a Gluon paged kernel only): two int64 buffers, (paged,
-    remaining), of TIMES_ROW (decode_gluon's) a program, at least as many rows as each launch's programs, to which
+    remaining), of decode_rest.TIMES_ROW a program, at least as many rows as each launch's programs, to which
     each program of the paged and of the remaining blocks' launch writes when it started and ended, and where."""
     check_kernel(kernel)                            # a name it does not take: ValueError
     bsz, hq, d = q.shape

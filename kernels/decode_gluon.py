@@ -58,6 +58,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from .decode_rest import TIMES_ROW
 from .layout import KEY_CHUNK, PagedKV
 
 HEADS_PER_TILE = 8          # the matrix instruction's columns: a KV group of up to 8 query heads
@@ -974,8 +975,6 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
             (m_i, sums, acc0, acc1, acc2, acc3))
 
 
-# int64 a program in the kernel's times_ptr: start, end, multiprocessor, key and value waits, cycles (and 2 unused)
-TIMES_ROW = gl.constexpr(8)
 
 
 @gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART", "pad_zero"])
@@ -995,19 +994,18 @@ def _gluon_paged_kernel(
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows /
     kzero_rows: the key scales and zeros as pointers, for the boosted channels' gather and ZQ_AHEAD's. The tile's
     columns past the group get zero operands (_live_heads). Experiments (decode_attention.GLUON_EXPERIMENTS):
-    ZQ_AHEAD, the keys' zero terms a window of
-    ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the loop over slots (_slot) nested in a loop over
-    windows; FOLD_MAX (with ZQ_AHEAD), the scores' weights and zero term in the exponent (_folded_max). PDL: the
-    remaining blocks' kernel after it may start at once (decode_launches' pdl). Two measurements that are not
-    attention (`python -m backend.bench tune --vary loads`): COMPUTE=False, the page loop's copies, waits and
-    barriers only (the memory pipeline's own ceiling); COPIES=False, its products and barriers only, over the first
-    slot's pages again and again (the arithmetic's own time). times_ptr (a measurement, `bench tune --vary
-    timeline`): each program writes when it started and ended (%globaltimer, ns) and its multiprocessor, TIMES_ROW
-    int64 a program in grid order; with WAITS also the clock cycles it spent waiting for its key pages and for its
-    value pages (their mbarriers) and its cycles from start to end (%clock64, read around each wait: the page loop
-    changes). PAD / PAD_N (a measurement, `bench tune --vary pad`): PAD_N more instructions a page of one kind
-    ("alu": LOP3, "fma": FFMA, "mma": HMMA) on the scores, that add nothing (pad_zero, 0 at run time, masks them
-    out): what one more instruction of each kind costs this kernel (_pad)."""
+    ZQ_AHEAD, the keys' zero terms a window of ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the loop
+    over slots (_slot) nested in a loop over windows; FOLD_MAX (with ZQ_AHEAD), the scores' weights and zero term in
+    the exponent (_folded_max). PDL: the remaining blocks' kernel after it may start at once (decode_launches' pdl).
+    Two measurements that are not attention (`python -m backend.bench tune --vary loads`): COMPUTE=False, the page
+    loop's copies, waits and barriers only (the memory pipeline's own ceiling); COPIES=False, its products and
+    barriers only, over the first slot's pages again and again (the arithmetic's own time). times_ptr (a
+    measurement, `bench tune --vary timeline`): each program writes when it started and ended (%globaltimer, ns) and
+    its multiprocessor, TIMES_ROW int64 a program in grid order; with WAITS also the clock cycles it spent waiting
+    for its key pages and for its value pages (their mbarriers) and its cycles from start to end (%clock64, read
+    around each wait: the page loop changes). PAD / PAD_N (a measurement, `bench tune --vary pad`): PAD_N more
+    instructions a page of one kind ("alu": LOP3, "fma": FFMA, "mma": HMMA) on the scores, that add nothing
+    (pad_zero, 0 at run time, masks them out): what one more instruction of each kind costs this kernel (_pad)."""
     if times_ptr is not None:
         started = _globaltimer()
     key_wait = 0                                    # WAITS: cycles waited for key pages, for value pages

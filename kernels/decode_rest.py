@@ -26,9 +26,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globalti
 
 from .layout import PagedKV, key_tile, value_tile
 
-# int64 a program in the kernel's times_ptr: start, end, multiprocessor and 5 unused, the rows of decode_gluon's
-# TIMES_ROW, so that one reader (backend.bench.timeline) takes both kernels' times
+# int64 a program in a timeline's rows (bench tune --vary timeline), this kernel's and the Gluon paged kernel's
+# times_ptr, so that one reader takes both: start, end, multiprocessor, then (the paged kernel's, with WAITS) key and
+# value waits and cycles, and 2 unused
 TIMES_ROW = tl.constexpr(8)
+
 # Tokens of a block. 64 and 128 (one block a program then: fewer partials to write and merge at large batch, more
 # latency a program) were slower or no faster at all six Qwen3-8B shapes (BENCHMARKS.md section 1, session 13).
 REST_TOKENS = 32
@@ -202,7 +204,7 @@ def _rest_kernel(
     batch 64 / 4K: 70.0 us a call then, 65.0 now; BENCHMARKS.md section 1, session 25). times_ptr (a measurement,
     `bench tune --vary timeline`): each program writes when it started and ended (%globaltimer, ns; its end before
     the last program's wait) and its multiprocessor, TIMES_ROW int64 a program in grid order, as the Gluon kernel's
-    programs do (decode_gluon.TIMES_ROW)."""
+    programs do."""
     if times_ptr is not None:
         started = globaltimer()
     if PDL:

@@ -115,7 +115,8 @@ def compile_gluon_launch(q: torch.Tensor, kv, splits: int = 16, arch: int = 90, 
     """compile_gluon_kernel for queries q (B, HQ, D) over the cache kv (CPU tensors of any launch's shapes)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.decode_gluon import TIMES_ROW, _gluon_paged_kernel, kernel_arguments
+    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
+    from kernels.decode_rest import TIMES_ROW
     b, hq, head_dim = q.shape
     parts = (torch.zeros(b, hq, splits, head_dim), torch.zeros(b, hq, splits), torch.zeros(b, hq, splits))
     args, constants = kernel_arguments(q, kv, 1.0, parts, splits, use_tma, i8=i8, **experiments)
