@@ -334,10 +334,13 @@ def bench_tune(args) -> dict:
                                for w in (1, 2, 4)],
                       # ... and beside the default kernel by PDL (the default launch), also at register caps that let
                       # a program fit beside 11 paged programs of 168 registers (one warp of at most 176 registers),
-                      # and at 4 warps (168 registers a thread with several blocks a program, against 2 warps' 251:
-                      # 12 warps a multiprocessor instead of 8 where the paged programs have ended)
+                      # and caps without spills for programs of several blocks (2 warps at 168 registers: 6 programs
+                      # a multiprocessor instead of 4, 42 more instructions a block than at the compiler's 253; 4
+                      # warps at the compiler's 211 or at 128: 18 % more instructions a block than 2 warps;
+                      # sass_profile, session 36)
                       "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}
-                                   for w, r in ((None, None), (1, None), (1, 168), (2, 96), (4, None))],
+                                   for w, r in ((None, None), (1, None), (1, 168), (2, 96), (2, 168), (4, None),
+                                                (4, 128))],
                       # ... and at blocks a program (None: decode_rest.rest_blocks_per_program; 9 is all of a
                       # Qwen3-8B kitty-pro sequence's at 32K)
                       "rest-blocks": [{**gluon(cap), "pdl": True, "rest_blocks": n} for n in (None, 1, 2, 3, 5, 9)],

@@ -466,7 +466,8 @@ def test_i8_reference_rounds_the_operands_it_says():
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(),
                     reason="warps a program only exist on a GPU (the interpreter runs none), and Gluon needs one")
 @pytest.mark.parametrize("kernel", ["triton", "gluon"])
-@pytest.mark.parametrize("rest_warps, rest_maxnreg", [(1, None), (2, None), (4, None), (1, 168), (2, 96)])
+@pytest.mark.parametrize("rest_warps, rest_maxnreg", [(1, None), (2, None), (4, None), (1, 168), (2, 96), (2, 168),
+                                                      (4, 128)])
 def test_remaining_blocks_warps(kernel, rest_warps, rest_maxnreg):
     """The remaining blocks' launch (decode_rest.py) with each warp count a program (the default here, 54 programs:
     4), and at the register caps bench tune --vary rest-pdl measures: the same output up to the order of float sums."""
