@@ -335,9 +335,9 @@ def bench_tune(args) -> dict:
                       # ... and beside the default kernel by PDL (the default launch), also at register caps that let
                       # a program fit beside 11 paged programs of 168 registers (one warp of at most 176 registers),
                       # and caps without spills for programs of several blocks (2 warps at 168 registers: 6 programs
-                      # a multiprocessor instead of 4, 42 more instructions a block than at the compiler's 253; 4
-                      # warps at the compiler's 211 or at 128: 18 % more instructions a block than 2 warps;
-                      # sass_profile, session 36)
+                      # a multiprocessor instead of 4, 49 more instructions a block and a warp than at the
+                      # compiler's 251; 4 warps at the compiler's 168 or at 128: 18 % more instructions a block than
+                      # 2 warps; kernels.sass_profile --kernel rest, BENCHMARKS.md section 1, session 36)
                       "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}
                                    for w, r in ((None, None), (1, None), (1, 168), (2, 96), (2, 168), (4, None),
                                                 (4, 128))],

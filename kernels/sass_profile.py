@@ -72,10 +72,10 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                         arch: int = 90, num_warps: int = 2, pdl: bool = False, blocks_per_program: int = 1,
-                        times: bool = False):
+                        times: bool = False, maxnreg: int | None = None):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel, its
     programs taking blocks_per_program blocks each (times: writing each program's start, end and multiprocessor,
-    bench tune --vary timeline)."""
+    bench tune --vary timeline; maxnreg: launch_rest's register cap, None or 255 the compiler's choice)."""
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import dot_dtype, precision
@@ -88,7 +88,7 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
     args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
                                             pdl, blocks_per_program)
     return _compile(ASTSource, _rest_kernel, args, {**constants, **({} if times else {"times_ptr": None})}, arch,
-                    {"num_warps": num_warps},
+                    {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg and maxnreg < 255 else {})},
                     {"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else None)
 
 
@@ -248,8 +248,8 @@ def main(argv=None) -> int:
                              "PRMT on the integer pipe, HMMA on the matrix unit, FFMA / HMUL2 on the multiply-add "
                              "pipe; bench tune --vary pad measures what one more of some of them costs)")
     parser.add_argument("--maxnreg", type=int,
-                        help="register cap per thread (default: decode_attention's MAXNREG; 255: the compiler's "
-                             "choice)")
+                        help="register cap per thread (default: decode_attention's MAXNREG for the Triton kernel, "
+                             "the compiler's choice for the Gluon and rest kernels; 255: the compiler's choice)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run with TRITON_INTERPRET=0: without a GPU, importing kernels/ turns Triton's interpreter on, "
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
                                             **options)
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
-                                           blocks_per_program=args.rest_blocks)
+                                           blocks_per_program=args.rest_blocks, maxnreg=args.maxnreg)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg)
