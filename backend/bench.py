@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -269,174 +270,180 @@ TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits",
                "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "timeline", "pad", "experiments")
 
 
+# A tune setting's fields but its split (which the shape decides), at the default launch: 1 warp, 3 stages, the Triton
+# kernel at MAXNREG, the remaining blocks' defaults, no PDL, the whole launch, no timeline or padding
+TUNE_DEFAULTS = dict(warps=1, stages=3, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False, loads=None,
+                     rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None)
+
+
 def bench_tune(args) -> dict:
-    """The decode kernel's launch settings on one method, at each shape: programs over the paged blocks of each
-    (sequence, KV head), register caps, pipeline depths and warps per program, with the default choice marked.
+    """The decode kernel's launch settings for each method (default kitty-pro), at each shape: programs over the paged
+    blocks of each (sequence, KV head), register caps, pipeline depths and warps per program, with the default choice
+    marked.
     What the defaults (default_splits, balanced_splits, MAXNREG, GLUON_MAXNREG) were set from."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hq, h, d = (32, 8, 128) if not args.quick else (8, 2, 64)
     batches = args.batches or ([1, 8, 64] if not args.quick else [1])
     lengths = args.lengths or ([4096, 32768] if not args.quick else [300])
-    method = (args.methods or ["kitty-pro"])[0]
+    methods = args.methods or ["kitty-pro"]
     sm_count = multiprocessors(torch.device(device))
     from kernels.decode_gluon import resident_programs as gluon_resident
     from kernels.decode_gluon import supports_tma as gluon_supports_tma
     rows = []
-    for length in lengths:
-        for batch in batches:
-            k, v = random_kv(batch, h, length, d, dtype, device)
-            q = torch.randn(batch, hq, d, device=device, dtype=dtype)
-            layer = filled_layer(method, k, v)
-            kv = layer.paged()
-            pages = max(1, kv.k_table.shape[1])
-            chosen = default_splits(batch, h, pages, sm_count)
-            # the split count around the default (1 warp, 3 stages, register cap MAXNREG), then at the default split
-            # other register caps (a cap buys resident programs with spills), pipeline depths and two warps per
-            # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
-            # the Gluon kernel's settings
-            splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
-            base = dict(warps=1, stages=3, splits=chosen, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False,
-                        loads=None, rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None)
+    # every method, length and batch in turn, one cache at a time
+    for method, length, batch in itertools.product(methods, lengths, batches):
+        k, v = random_kv(batch, h, length, d, dtype, device)
+        q = torch.randn(batch, hq, d, device=device, dtype=dtype)
+        layer = filled_layer(method, k, v)
+        kv = layer.paged()
+        pages = max(1, kv.k_table.shape[1])
+        chosen = default_splits(batch, h, pages, sm_count)
+        # the split count around the default (1 warp, 3 stages, register cap MAXNREG), then at the default split
+        # other register caps (a cap buys resident programs with spills), pipeline depths and two warps per
+        # program (each a half of every page: no spills at 128 registers, a third more instructions in all); then
+        # the Gluon kernel's settings
+        splits = sorted({max(1, min(pages, chosen * f // 4)) for f in (2, 4, 6, 8)})
+        base = dict(TUNE_DEFAULTS, splits=chosen)
 
-            default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
-            default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
+        default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
+        default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
 
-            # the default Gluon kernel's register cap at its own split (gluon_maxnreg)
-            cap = gluon_maxnreg(q, kv, split_count(q, kv, default_gluon, GLUON_MAXNREG))
+        # the default Gluon kernel's register cap at its own split (gluon_maxnreg)
+        cap = gluon_maxnreg(q, kv, split_count(q, kv, default_gluon, GLUON_MAXNREG))
 
-            def gluon(maxnreg, quarters=4, splits=None, kernel=None):
-                """A Gluon kernel (default: the one "auto" takes) at a register cap, at quarters / 4 of the split it
-                chooses (or at `splits`)."""
-                kernel = kernel or default_gluon
-                own = splits or split_count(q, kv, kernel, maxnreg)
-                return {**base, "kernel": kernel, "maxnreg": maxnreg,
-                        "splits": max(1, min(pages, own * quarters // 4))}
+        def gluon(maxnreg, quarters=4, splits=None, kernel=None):
+            """A Gluon kernel (default: the one "auto" takes) at a register cap, at quarters / 4 of the split it
+            chooses (or at `splits`)."""
+            kernel = kernel or default_gluon
+            own = splits or split_count(q, kv, kernel, maxnreg)
+            return {**base, "kernel": kernel, "maxnreg": maxnreg,
+                    "splits": max(1, min(pages, own * quarters // 4))}
 
-            sweeps = {"splits": [{**base, "splits": n} for n in splits],
-                      "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
-                      "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
-                      "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
-                      # the Gluon kernel over the paged blocks at its register cap, at half and twice its split and at
-                      # one full wave of the programs its registers leave resident (the split before session 16's
-                      # balanced_splits), and at other caps (resident programs against spills), each at the split its
-                      # programs choose
-                      "kernel": [gluon(GLUON_MAXNREG)],
-                      "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)] + [gluon(GLUON_MAXNREG, splits=(
-                          default_splits(batch, h, pages, sm_count, gluon_resident(kv, d, GLUON_MAXNREG))))],
-                      "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
-                      # both copy paths (cp.async, TMA: kernel "gluon-tma") at both default caps
-                      "gluon-tma": [gluon(r, kernel=k) for k in ("gluon", "gluon-tma")
-                                    for r in (GLUON_MAXNREG, GLUON_MAXNREG_FEW)],
-                      # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
-                      # (None: decode_rest.rest_warps, by the launch's programs)
-                      "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
-                               for w in (1, 2, 4)],
-                      # ... and beside the default kernel by PDL (the default launch), also at register caps that let
-                      # a program fit beside 11 paged programs of 168 registers (one warp of at most 176 registers),
-                      # and caps without spills for programs of several blocks (2 warps at 168 registers: 6 programs
-                      # a multiprocessor instead of 4, 49 more instructions a block and a warp than at the
-                      # compiler's 251; 4 warps at the compiler's 168 or at 128: 18 % more instructions a block than
-                      # 2 warps; kernels.sass_profile --kernel rest, BENCHMARKS.md section 1, session 36)
-                      "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}
-                                   for w, r in ((None, None), (1, None), (1, 168), (2, 96), (2, 168), (4, None),
-                                                (4, 128))],
-                      # ... and at blocks a program (None: decode_rest.rest_blocks_per_program; 9 is all of a
-                      # Qwen3-8B kitty-pro sequence's at 32K)
-                      "rest-blocks": [{**gluon(cap), "pdl": True, "rest_blocks": n} for n in (None, 1, 2, 3, 5, 9)],
-                      # the default Gluon kernel at its default cap and split, with its three launches in a row and
-                      # chained by programmatic dependent launch (decode_launches' pdl)
-                      "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
-                      # the 8-bit products' kernels at the default cap and at 128 registers, 16 programs a
-                      # multiprocessor instead of 12: gluon-tma-i8k's page loop fits 128 without spills (the fp16
-                      # kernel's spills 9 loads and stores a page there), each at the split its programs choose;
-                      # with the default kernel at its own cap for the same run
-                      "i8": [gluon(cap)] + [gluon(r, kernel=k) for k in ("gluon-tma-i8k", "gluon-tma-i8")
-                                            for r in (GLUON_MAXNREG, 128)],
-                      # the memory pipeline's ceiling: the default Gluon kernel's paged launch with its copies and
-                      # barriers and no products (decode_gluon's COMPUTE=False; not attention), at the splits of 12
-                      # and 16 programs a multiprocessor (its own registers never limit it), beside the whole kernel;
-                      # and the arithmetic's own time: the same launch with its products and barriers and no copies
-                      # (COPIES=False), at its cap and at 16 programs a multiprocessor (128 registers, with spills:
-                      # whether more warps would hide its latencies)
-                      "loads": [gluon(cap)] + [{**gluon(r), "loads": half} for half in ("copies", "arithmetic")
-                                               for r in (GLUON_MAXNREG, 128)],
-                      # when each program of the default kernel's paged launch starts and ends, and where (the launch
-                      # alone, and its arithmetic alone): how long the multiprocessors hold fewer programs than they
-                      # can (ncu: about 10 of 12 warps active on average at batch 64 / 32K, session 24)
-                      # and (the page loop then reads the clock around its waits) how long its programs waited for
-                      # their key pages and their value pages; and whether 8 launches in a row, eager and in one CUDA
-                      # graph, overlap or leave gaps (back_to_back); and a whole call by PDL (the default), with the
-                      # remaining blocks' programs too: when they start and end against the paged programs, the tail
-                      # that a call adds to its paged launch (call_timeline)
-                      "timeline": [{**gluon(cap), "loads": half, "timeline": t} for half, t in (
-                          ("whole", True), ("arithmetic", True), ("whole", "waits"))]
-                      + [{**gluon(cap), "pdl": True, "timeline": "call"}],
-                      # what one more instruction of each kind costs the default kernel's paged launch: 64 and 128
-                      # more LOP3 (the integer pipe, as the unpacking's ANDs), FFMA (the multiply-add pipe) a page,
-                      # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD)
-                      "pad": [{**gluon(cap), "loads": "whole", "pad": pad} for pad in (
-                          None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16))],
-                      # the Gluon kernel's experiments (decode_attention.GLUON_EXPERIMENTS) against the default, each
-                      # whole, its paged launch alone and its arithmetic alone, with the GPU's clock and power: the
-                      # keys' zero terms 16 pages a product, and with the exponent's multiply-add folding the scores'
-                      # weights
-                      "experiments": [{**gluon(cap, kernel=k), "loads": half} for k in (
-                          default_gluon, "gluon-tma+zq-ahead", "gluon-tma+zq-ahead+fold-max")
-                          for half in (None, "whole", "arithmetic")]}
-            settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
-            settings = [s for i, s in enumerate(settings) if s not in settings[:i]
-                        and (not (s["loads"] or s["timeline"]) or gluon_supports_tma(q, kv))]  # the halves, timelines
-            for setting in settings:
-                run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
-                                               num_warps=setting["warps"], num_stages=setting["stages"],
-                                               maxnreg=setting["maxnreg"], kernel=setting["kernel"],
-                                               rest_warps=setting["rest_warps"], pdl=setting["pdl"],
-                                               rest_maxnreg=setting["rest_maxnreg"],
-                                               rest_blocks=setting["rest_blocks"])
-                times = None
-                if setting["timeline"]:
-                    times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64,
-                                        device=device)
-                if setting["timeline"] == "call":
-                    # the remaining blocks' programs: at most one a block (rest_parts with one block a program)
-                    rest_times = torch.zeros(batch * h * rest_parts(kv), TIMES_ROW.value, dtype=torch.int64,
-                                             device=device)
-                    run = decode_launches(q, kv, d ** -0.5, num_splits=setting["splits"], maxnreg=setting["maxnreg"],
-                                          kernel=setting["kernel"], pdl=True, times=(times, rest_times))
-                if setting["loads"]:
-                    run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
-                                     setting["pad"], setting["timeline"] == "waits", setting["kernel"])
-                # each setting's launches in an NVTX range, so that Nsight Compute can profile one of them
-                # (backend.kernel_profile --command tune --nvtx-range NAME)
-                with nvtx_range(tune_range(setting), device):
-                    seconds = median_seconds(run, args.quick)
-                    kernels = kernel_us(run) if device == "cuda" else {}
-                clocks = gpu_clocks(run, device)
-                rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
-                                 us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels,
-                                 paged_gbs=paged_bytes(kv) / seconds / 1e9, **clocks))
-                if setting["timeline"] == "call":
-                    rows[-1]["call"] = call_timeline(times.cpu(), rest_times.cpu())
-                    print("    call timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["call"].items()))
-                elif times is not None:
-                    rows[-1]["programs"] = timeline(times.cpu())
-                    print("    timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["programs"].items()))
-                    rows[-1]["launches"] = back_to_back(lambda t: paged_half(
-                        q, kv, setting["splits"], setting["maxnreg"], setting["loads"], t, setting["pad"],
-                        setting["timeline"] == "waits", setting["kernel"]), times.shape[0], device)
-                    for mode, summary in rows[-1]["launches"].items():
-                        print(f"    8 launches, {mode}:", ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
-                print(f"{batch:>3} {length:>6} " + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}"
-                                                            for k, v in setting.items())
-                      + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
-                      f"{rows[-1]['gbs']:7.0f} GB/s (pages {rows[-1]['paged_gbs']:5.0f})"
-                      + "".join(f" | {name[:24]} {us:.1f} (profiler)" for name, us in kernels.items())
-                      + "".join(f" | {name} {value:#x}" if name == "clock_reasons" else f" | {name} {value:.0f}"
-                                for name, value in clocks.items()), flush=True)
-            del layer, kv, k, v
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        sweeps = {"splits": [{**base, "splits": n} for n in splits],
+                  "maxnreg": [{**base, "maxnreg": r} for r in (255, 168, 128, 96) if r != MAXNREG],
+                  "stages": [{**base, "stages": stages} for stages in (1, 2, 4)],
+                  "warps": [{**base, "warps": 2, "maxnreg": r} for r in (128, 96)],
+                  # the Gluon kernel over the paged blocks at its register cap, at half and twice its split and at
+                  # one full wave of the programs its registers leave resident (the split before session 16's
+                  # balanced_splits), and at other caps (resident programs against spills), each at the split its
+                  # programs choose
+                  "kernel": [gluon(GLUON_MAXNREG)],
+                  "gluon-splits": [gluon(GLUON_MAXNREG, f) for f in (2, 8)] + [gluon(GLUON_MAXNREG, splits=(
+                      default_splits(batch, h, pages, sm_count, gluon_resident(kv, d, GLUON_MAXNREG))))],
+                  "gluon-maxnreg": [gluon(r) for r in (128, 136, 144, 152, 160, 176, 192, 255)],
+                  # both copy paths (cp.async, TMA: kernel "gluon-tma") at both default caps
+                  "gluon-tma": [gluon(r, kernel=k) for k in ("gluon", "gluon-tma")
+                                for r in (GLUON_MAXNREG, GLUON_MAXNREG_FEW)],
+                  # the remaining blocks' launch (kernels/decode_rest.py) beside either kernel: warps a program
+                  # (None: decode_rest.rest_warps, by the launch's programs)
+                  "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
+                           for w in (1, 2, 4)],
+                  # ... and beside the default kernel by PDL (the default launch), also at register caps that let
+                  # a program fit beside 11 paged programs of 168 registers (one warp of at most 176 registers),
+                  # and caps without spills for programs of several blocks (2 warps at 168 registers: 6 programs
+                  # a multiprocessor instead of 4, 49 more instructions a block and a warp than at the
+                  # compiler's 251; 4 warps at the compiler's 168 or at 128: 18 % more instructions a block than
+                  # 2 warps; kernels.sass_profile --kernel rest, BENCHMARKS.md section 1, session 36)
+                  "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}
+                               for w, r in ((None, None), (1, None), (1, 168), (2, 96), (2, 168), (4, None),
+                                            (4, 128))],
+                  # ... and at blocks a program (None: decode_rest.rest_blocks_per_program; 9 is all of a
+                  # Qwen3-8B kitty-pro sequence's at 32K)
+                  "rest-blocks": [{**gluon(cap), "pdl": True, "rest_blocks": n} for n in (None, 1, 2, 3, 5, 9)],
+                  # the default Gluon kernel at its default cap and split, with its three launches in a row and
+                  # chained by programmatic dependent launch (decode_launches' pdl)
+                  "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
+                  # the 8-bit products' kernels at the default cap and at 128 registers, 16 programs a
+                  # multiprocessor instead of 12: gluon-tma-i8k's page loop fits 128 without spills (the fp16
+                  # kernel's spills 9 loads and stores a page there), each at the split its programs choose;
+                  # with the default kernel at its own cap for the same run
+                  "i8": [gluon(cap)] + [gluon(r, kernel=k) for k in ("gluon-tma-i8k", "gluon-tma-i8")
+                                        for r in (GLUON_MAXNREG, 128)],
+                  # the memory pipeline's ceiling: the default Gluon kernel's paged launch with its copies and
+                  # barriers and no products (decode_gluon's COMPUTE=False; not attention), at the splits of 12
+                  # and 16 programs a multiprocessor (its own registers never limit it), beside the whole kernel;
+                  # and the arithmetic's own time: the same launch with its products and barriers and no copies
+                  # (COPIES=False), at its cap and at 16 programs a multiprocessor (128 registers, with spills:
+                  # whether more warps would hide its latencies)
+                  "loads": [gluon(cap)] + [{**gluon(r), "loads": half} for half in ("copies", "arithmetic")
+                                           for r in (GLUON_MAXNREG, 128)],
+                  # when each program of the default kernel's paged launch starts and ends, and where (the launch
+                  # alone, and its arithmetic alone): how long the multiprocessors hold fewer programs than they
+                  # can (ncu: about 10 of 12 warps active on average at batch 64 / 32K, session 24)
+                  # and (the page loop then reads the clock around its waits) how long its programs waited for
+                  # their key pages and their value pages; and whether 8 launches in a row, eager and in one CUDA
+                  # graph, overlap or leave gaps (back_to_back); and a whole call by PDL (the default), with the
+                  # remaining blocks' programs too: when they start and end against the paged programs, the tail
+                  # that a call adds to its paged launch (call_timeline)
+                  "timeline": [{**gluon(cap), "loads": half, "timeline": t} for half, t in (
+                      ("whole", True), ("arithmetic", True), ("whole", "waits"))]
+                  + [{**gluon(cap), "pdl": True, "timeline": "call"}],
+                  # what one more instruction of each kind costs the default kernel's paged launch: 64 and 128
+                  # more LOP3 (the integer pipe, as the unpacking's ANDs), FFMA (the multiply-add pipe) a page,
+                  # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD)
+                  "pad": [{**gluon(cap), "loads": "whole", "pad": pad} for pad in (
+                      None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16))],
+                  # the Gluon kernel's experiments (decode_attention.GLUON_EXPERIMENTS) against the default, each
+                  # whole, its paged launch alone and its arithmetic alone, with the GPU's clock and power: the
+                  # keys' zero terms 16 pages a product, and with the exponent's multiply-add folding the scores'
+                  # weights
+                  "experiments": [{**gluon(cap, kernel=k), "loads": half} for k in (
+                      default_gluon, "gluon-tma+zq-ahead", "gluon-tma+zq-ahead+fold-max")
+                      for half in (None, "whole", "arithmetic")]}
+        settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
+        settings = [s for i, s in enumerate(settings) if s not in settings[:i]
+                    and (not (s["loads"] or s["timeline"]) or gluon_supports_tma(q, kv))]  # the halves, timelines
+        for setting in settings:
+            run = lambda: decode_attention(q, kv, d ** -0.5, num_splits=setting["splits"],  # noqa: E731
+                                           num_warps=setting["warps"], num_stages=setting["stages"],
+                                           maxnreg=setting["maxnreg"], kernel=setting["kernel"],
+                                           rest_warps=setting["rest_warps"], pdl=setting["pdl"],
+                                           rest_maxnreg=setting["rest_maxnreg"],
+                                           rest_blocks=setting["rest_blocks"])
+            times = None
+            if setting["timeline"]:
+                times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64,
+                                    device=device)
+            if setting["timeline"] == "call":
+                # the remaining blocks' programs: at most one a block (rest_parts with one block a program)
+                rest_times = torch.zeros(batch * h * rest_parts(kv), TIMES_ROW.value, dtype=torch.int64,
+                                         device=device)
+                run = decode_launches(q, kv, d ** -0.5, num_splits=setting["splits"], maxnreg=setting["maxnreg"],
+                                      kernel=setting["kernel"], pdl=True, times=(times, rest_times))
+            if setting["loads"]:
+                run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
+                                 setting["pad"], setting["timeline"] == "waits", setting["kernel"])
+            # each setting's launches in an NVTX range, so that Nsight Compute can profile one of them
+            # (backend.kernel_profile --command tune --nvtx-range NAME)
+            with nvtx_range(tune_range(setting), device):
+                seconds = median_seconds(run, args.quick)
+                kernels = kernel_us(run) if device == "cuda" else {}
+            clocks = gpu_clocks(run, device)
+            rows.append(dict(batch=batch, tokens=length, method=method, **setting, default=setting == base,
+                             us=seconds * 1e6, gbs=bytes_read(layer) / seconds / 1e9, kernels_us=kernels,
+                             paged_gbs=paged_bytes(kv) / seconds / 1e9, **clocks))
+            if setting["timeline"] == "call":
+                rows[-1]["call"] = call_timeline(times.cpu(), rest_times.cpu())
+                print("    call timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["call"].items()))
+            elif times is not None:
+                rows[-1]["programs"] = timeline(times.cpu())
+                print("    timeline:", ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["programs"].items()))
+                rows[-1]["launches"] = back_to_back(lambda t: paged_half(
+                    q, kv, setting["splits"], setting["maxnreg"], setting["loads"], t, setting["pad"],
+                    setting["timeline"] == "waits", setting["kernel"]), times.shape[0], device)
+                for mode, summary in rows[-1]["launches"].items():
+                    print(f"    8 launches, {mode}:", ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
+            print(f"{method} {batch:>3} {length:>6} " + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}"
+                                                        for k, v in setting.items())
+                  + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
+                  f"{rows[-1]['gbs']:7.0f} GB/s (pages {rows[-1]['paged_gbs']:5.0f})"
+                  + "".join(f" | {name[:24]} {us:.1f} (profiler)" for name, us in kernels.items())
+                  + "".join(f" | {name} {value:#x}" if name == "clock_reasons" else f" | {name} {value:.0f}"
+                            for name, value in clocks.items()), flush=True)
+        del layer, kv, k, v
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return {"kind": "tune", "rows": rows, "env": environment()}
 
 
@@ -1186,14 +1193,18 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         fig.update_layout(title=f"One comparison on {result['device']} ({', '.join(rows[0]['tokens'])})",
                           yaxis_title="seconds", barmode="group")
     elif result["kind"] == "tune":
-        def setting_of(r):                   # one bar series per setting but the split count (the x axis)
-            return r["warps"], r["stages"], r["maxnreg"], r.get("kernel", "triton")
+        # one bar series per setting but the split count (the x axis), by every field a row holds: two settings
+        # never share a series, whose bars at one x would stack
+        keys = [k for k in TUNE_DEFAULTS if any(k in r for r in rows)]
+
+        def setting_of(r):
+            return tuple(r.get(k) for k in keys)
 
         for setting in dict.fromkeys(map(setting_of, rows)):
             sel = [r for r in rows if setting_of(r) == setting]
-            fig.add_bar(name=f"{setting[0]} warp(s), {setting[1]} stages, maxnreg {setting[2] or '-'}"
-                             + (f", {setting[3]} kernel" if setting[3] != "triton" else ""),
-                        x=[f"B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel], y=[r["us"] for r in sel])
+            fig.add_bar(name=", ".join(f"{k} {v}" for k, v in zip(keys, setting) if v not in (None, False)),
+                        x=[f"{r['method']} B={r['batch']} L={r['tokens']} splits={r['splits']}" for r in sel],
+                        y=[r["us"] for r in sel])
         fig.update_layout(title="Decode kernel launch settings, median time per call (lower is better)",
                           yaxis_type="log", yaxis_title="microseconds", barmode="group")
     elif result["kind"] == "turn":

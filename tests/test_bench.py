@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,6 +84,22 @@ def test_plot_writes_png_from_results_json(tmp_path):
     assert str(png) in done.stdout.splitlines(), done.stdout + done.stderr[-2000:]
     assert_png(png)
     assert results.with_suffix(".html").exists()
+
+
+def test_tune_figure_gives_every_setting_its_own_bars(tmp_path):
+    """`bench plot` of a tune sweep: settings that differ only in a field beyond warps, stages, cap and kernel (the
+    half of a launch, PDL) are series of their own, whose bars stand side by side instead of stacking into one."""
+    from backend.bench import TUNE_DEFAULTS, write_figures
+    rows = [dict(TUNE_DEFAULTS, method=m, batch=64, tokens=32768, splits=3, us=us, kernel="gluon-tma", loads=loads)
+            for m in ("kitty-pro", "kivi-k2v2") for loads, us in ((None, 480.0), ("arithmetic", 320.0))]
+    html, *_ = write_figures({"kind": "tune", "rows": rows}, tmp_path / "tune.json")
+    text = html.read_text()
+    start = re.search(r'Plotly\.newPlot\(\s*"[^"]+",\s*', text).end()
+    traces, _ = json.JSONDecoder().raw_decode(text, start)                   # the figure's data: its bar series
+    assert len(traces) == 2 and {t["name"] for t in traces} == {"warps 1, stages 3, maxnreg 128, kernel gluon-tma",
+                                                                "warps 1, stages 3, maxnreg 128, kernel gluon-tma, "
+                                                                "loads arithmetic"}
+    assert all(t["x"] == ["kitty-pro B=64 L=32768 splits=3", "kivi-k2v2 B=64 L=32768 splits=3"] for t in traces)
 
 
 def test_bench_quality_puts_each_kernels_arithmetic_beside_the_caches(tmp_path):
@@ -369,10 +386,12 @@ def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
     assert steps["profile"][1][0][6:] == ["profile1", "--", "--methods", "kivi-k2v2", "--batches", "8"]
     assert steps["profile"][2][0][6:] == ["profile2", "--command", "tune", "--nvtx-range", "gluon-tma.arithmetic.168",
                                           "--", "--vary", "loads"]
-    # a real run of one cheap step: its status line and log
-    assert main(["--out", str(tmp_path / "run"), "--steps", "tune", "--tune", "--quick --vary"]) == 0
+    # a real run of one cheap step: its status line and log, a row for each method it names
+    tune = "--quick --vary --methods kivi-k2v2 kitty"
+    assert main(["--out", str(tmp_path / "run"), "--steps", "tune", "--tune", tune]) == 0
     assert "===== tune: exit 0" in (tmp_path / "run" / "log.txt").read_text()
-    assert json.loads((tmp_path / "run" / "tune.json").read_text())["kind"] == "tune"
+    tuned = json.loads((tmp_path / "run" / "tune.json").read_text())
+    assert tuned["kind"] == "tune" and [row["method"] for row in tuned["rows"]] == ["kivi-k2v2", "kitty"]
 
 
 def test_kernel_profile_sums_the_source_pages_columns_by_opcode(tmp_path):
