@@ -434,8 +434,8 @@ def bench_tune(args) -> dict:
                     setting["timeline"] == "waits", setting["kernel"]), times.shape[0], device)
                 for mode, summary in rows[-1]["launches"].items():
                     print(f"    8 launches, {mode}:", ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
-            print(f"{method} {batch:>3} {length:>6} " + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}"
-                                                        for k, v in setting.items())
+            print(f"{method} {batch:>3} {length:>6} "
+                  + " ".join(f"{k} {int(v) if isinstance(v, (int, float)) else v}" for k, v in setting.items())
                   + f"{' (default)' if setting == base else ''}: {seconds * 1e6:9.1f} us "
                   f"{rows[-1]['gbs']:7.0f} GB/s (pages {rows[-1]['paged_gbs']:5.0f})"
                   + "".join(f" | {name[:24]} {us:.1f} (profiler)" for name, us in kernels.items())
@@ -1197,8 +1197,8 @@ def write_figures(result: dict, out: Path) -> list[Path]:
         # never share a series, whose bars at one x would stack
         keys = [k for k in TUNE_DEFAULTS if any(k in r for r in rows)]
 
-        def setting_of(r):
-            return tuple(r.get(k) for k in keys)
+        def setting_of(r):                   # hashable: a saved pad, (kind, count), comes back as a JSON list
+            return tuple(tuple(v) if isinstance(v, list) else v for v in map(r.get, keys))
 
         for setting in dict.fromkeys(map(setting_of, rows)):
             sel = [r for r in rows if setting_of(r) == setting]

@@ -90,15 +90,16 @@ def test_tune_figure_gives_every_setting_its_own_bars(tmp_path):
     """`bench plot` of a tune sweep: settings that differ only in a field beyond warps, stages, cap and kernel (the
     half of a launch, PDL) are series of their own, whose bars stand side by side instead of stacking into one."""
     from backend.bench import TUNE_DEFAULTS, write_figures
-    rows = [dict(TUNE_DEFAULTS, method=m, batch=64, tokens=32768, splits=3, us=us, kernel="gluon-tma", loads=loads)
-            for m in ("kitty-pro", "kivi-k2v2") for loads, us in ((None, 480.0), ("arithmetic", 320.0))]
+    settings = ((None, None, 480.0), ("arithmetic", ["alu", 64], 320.0))      # a pad as saved JSON holds it: a list
+    rows = [dict(TUNE_DEFAULTS, method=m, batch=64, tokens=32768, splits=3, us=us, kernel="gluon-tma", loads=loads,
+                 pad=pad) for m in ("kitty-pro", "kivi-k2v2") for loads, pad, us in settings]
     html, *_ = write_figures({"kind": "tune", "rows": rows}, tmp_path / "tune.json")
     text = html.read_text()
     start = re.search(r'Plotly\.newPlot\(\s*"[^"]+",\s*', text).end()
     traces, _ = json.JSONDecoder().raw_decode(text, start)                   # the figure's data: its bar series
     assert len(traces) == 2 and {t["name"] for t in traces} == {"warps 1, stages 3, maxnreg 128, kernel gluon-tma",
                                                                 "warps 1, stages 3, maxnreg 128, kernel gluon-tma, "
-                                                                "loads arithmetic"}
+                                                                "loads arithmetic, pad ('alu', 64)"}
     assert all(t["x"] == ["kitty-pro B=64 L=32768 splits=3", "kivi-k2v2 B=64 L=32768 splits=3"] for t in traces)
 
 
