@@ -339,15 +339,12 @@ def bench_tune(args) -> dict:
                   # (None: decode_rest.rest_warps, by the launch's programs)
                   "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
                            for w in (1, 2, 4)],
-                  # ... and beside the default kernel by PDL (the default launch), also at register caps that let
-                  # a program fit beside 11 paged programs of 168 registers (one warp of at most 176 registers),
-                  # and caps without spills for programs of several blocks (2 warps at 168 registers: 6 programs
-                  # a multiprocessor instead of 4, 49 more instructions a block and a warp than at the
-                  # compiler's 251; 4 warps at the compiler's 168 or at 128: 18 % more instructions a block than
-                  # 2 warps; kernels.sass_profile --kernel rest, BENCHMARKS.md section 1, session 36)
+                  # ... and beside the default kernel by PDL (the default launch: 2 warps at 168 registers for
+                  # programs of several blocks, decode_rest.rest_maxnreg), and at the compiler's cap, the earlier
+                  # default (1 warp, 2 at 96, 4 at the compiler's cap and at 128 and 1 at 168 were slower on an
+                  # H100 in both replicates: BENCHMARKS.md section 1, session 37)
                   "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}
-                               for w, r in ((None, None), (1, None), (1, 168), (2, 96), (2, 168), (4, None),
-                                            (4, 128))],
+                               for w, r in ((None, None), (2, 255))],
                   # ... and at blocks a program (None: decode_rest.rest_blocks_per_program; 9 is all of a
                   # Qwen3-8B kitty-pro sequence's at 32K)
                   "rest-blocks": [{**gluon(cap), "pdl": True, "rest_blocks": n} for n in (None, 1, 2, 3, 5, 9)],

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .decode_rest import launch_rest, rest_blocks_per_program, rest_parts, rest_warps as default_rest_warps
+from .decode_rest import (launch_rest, rest_blocks_per_program, rest_maxnreg as default_rest_maxnreg, rest_parts,
+                          rest_warps as default_rest_warps)
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV, key_tile_and_operand, value_tile_and_operand
 
@@ -715,9 +716,10 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     same with 8-bit key / key and value products: decode_gluon.supports_kernel; the same fallback) or "auto"
     (choose_kernel); a Gluon kernel's name may add experiments, "+name" each (kernel_parts). rest_warps /
     rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their
-    register cap (default: the compiler's) and blocks a program (default: decode_rest.rest_blocks_per_program). pdl:
-    the three launches chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its
-    buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
+    register cap (default: decode_rest.rest_maxnreg; 255 leaves it to the compiler) and blocks a program (default:
+    decode_rest.rest_blocks_per_program). pdl: the three launches chained by programmatic dependent launch
+    (decode_launches; default PDL). With a workspace, its buffers are reused (see DecodeWorkspace); without, they are
+    allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
                            rest_warps, pdl, rest_maxnreg, rest_blocks)()
 
@@ -777,6 +779,8 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     rest = rest_parts(kv, rest_blocks)
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
+    if rest_maxnreg is None:
+        rest_maxnreg = default_rest_maxnreg(rest_warps, rest_blocks)
     workspace = workspace or DecodeWorkspace()
     parts = workspace.get(q, num_splits + rest)
     qk_scale = sm_scale * math.log2(math.e)

@@ -27,7 +27,8 @@ from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNRE
                                       decode_attention_ref, decode_launches, default_splits, field_weights, gather_kv,
                                       gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
                                       multiprocessors, split_count, unpack_asm)
-from kernels.decode_rest import REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_parts, rest_warps
+from kernels.decode_rest import (REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_maxnreg, rest_parts,
+                                 rest_warps)
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import (SWAP, boost_mask, key_chunks, key_offsets, key_plane_shape, key_rows, key_tile,
@@ -466,8 +467,7 @@ def test_i8_reference_rounds_the_operands_it_says():
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(),
                     reason="warps a program only exist on a GPU (the interpreter runs none), and Gluon needs one")
 @pytest.mark.parametrize("kernel", ["triton", "gluon"])
-@pytest.mark.parametrize("rest_warps, rest_maxnreg", [(1, None), (2, None), (4, None), (1, 168), (2, 96), (2, 168),
-                                                      (4, 128)])
+@pytest.mark.parametrize("rest_warps, rest_maxnreg", [(1, None), (2, None), (4, None), (2, 168), (2, 255)])
 def test_remaining_blocks_warps(kernel, rest_warps, rest_maxnreg):
     """The remaining blocks' launch (decode_rest.py) with each warp count a program (the default here, 54 programs:
     4), and at the register caps bench tune --vary rest-pdl measures: the same output up to the order of float sums."""
@@ -509,6 +509,13 @@ def test_remaining_blocks_a_program_follow_the_launch_size():
     assert rest_blocks_per_program(8 * 1, 9, 132, 256) == 1 and rest_blocks_per_program(8 * 8, 9, 132, 256) == 1
     assert rest_blocks_per_program(8 * 16, 9, 132, 256) == 2 and rest_blocks_per_program(8 * 32, 9, 132, 256) == 3
     assert rest_blocks_per_program(8 * 64, 9, 132, 256) == 5 and rest_blocks_per_program(8 * 1000, 9, 132, 256) == 9
+
+
+def test_remaining_blocks_cap_only_their_loop():
+    """A register cap of 168 only for 2-warp programs of several blocks (their loop takes 251 registers at the
+    compiler's choice, 168 without spills); one block a program, and other warp counts, keep the compiler's."""
+    assert rest_maxnreg(2, 5) == rest_maxnreg(2, 2) == 168
+    assert rest_maxnreg(2, 1) is None and rest_maxnreg(4, 5) is None and rest_maxnreg(1, 9) is None
     assert rest_blocks_per_program(8 * 64, 9, 132, 32) == 1 and rest_blocks_per_program(8 * 64, 9, 132, 127) == 1
     assert rest_blocks_per_program(8 * 64, 9, 132, REST_LOOP_PAGES) == 5
     assert rest_blocks_per_program(8 * 64, 10, 132, 256) == 5            # 10 blocks (a spread of 13): 5 and 5
@@ -1183,8 +1190,8 @@ def test_remaining_blocks_fit_beside_the_paged_programs():
     several): a version that loaded the 16-bit rows as operands took 20 KB, and with it beside the paged kernel by
     PDL the H200 measured calls up to 7 us slower at batches 1 and 8 (BENCHMARKS.md section 1, session 28). One block a
     program also compiles without the loop: under 160 registers a thread, as the paged programs leave room for. With
-    the loop at a cap of 168 registers (launch_rest's maxnreg, a row of bench tune --vary rest-pdl), none in the loop
-    (triton 3.7.1 keeps one value outside it on the stack, 3.6 none)."""
+    the loop at a cap of 168 registers (decode_rest.rest_maxnreg, the default for several blocks a program), no
+    spills in the loop (triton 3.7.1 keeps one value outside it on the stack, 3.6 none)."""
     rows = {}
     for blocks, cap in ((1, None), (8, None), (8, 168)):
         cmd = [sys.executable, "-m", "kernels.sass_profile", "--kernel", "rest", "--method", "kitty-pro", "--warps",
