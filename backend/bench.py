@@ -340,7 +340,7 @@ def bench_tune(args) -> dict:
                   "rest": [{**setting, "rest_warps": w} for setting in (base, gluon(GLUON_MAXNREG))
                            for w in (1, 2, 4)],
                   # ... and beside the default kernel by PDL (the default launch: 2 warps at 168 registers for
-                  # programs of several blocks, decode_rest.rest_maxnreg), and at the compiler's cap, the earlier
+                  # programs of 3 blocks or more, decode_rest.rest_maxnreg), and at the compiler's cap, the earlier
                   # default (1 warp, 2 at 96, 4 at the compiler's cap and at 128 and 1 at 168 were slower on an
                   # H100 in both replicates: BENCHMARKS.md section 1, session 37)
                   "rest-pdl": [{**gluon(cap), "pdl": True, "rest_warps": w, "rest_maxnreg": r}

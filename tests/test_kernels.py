@@ -511,11 +511,12 @@ def test_remaining_blocks_a_program_follow_the_launch_size():
     assert rest_blocks_per_program(8 * 64, 9, 132, 256) == 5 and rest_blocks_per_program(8 * 1000, 9, 132, 256) == 9
 
 
-def test_remaining_blocks_cap_only_their_loop():
-    """A register cap of 168 only for 2-warp programs of several blocks (their loop takes 251 registers at the
-    compiler's choice, 168 without spills); one block a program, and other warp counts, keep the compiler's."""
-    assert rest_maxnreg(2, 5) == rest_maxnreg(2, 2) == 168
-    assert rest_maxnreg(2, 1) is None and rest_maxnreg(4, 5) is None and rest_maxnreg(1, 9) is None
+def test_remaining_blocks_cap_only_their_longer_loops():
+    """A register cap of 168 only for 2-warp programs of 3 blocks or more (their loop takes 251 registers at the
+    compiler's choice, 168 without spills); 1 or 2 blocks a program, and other warp counts, keep the compiler's."""
+    assert rest_maxnreg(2, 5) == rest_maxnreg(2, 3) == 168
+    assert rest_maxnreg(2, 2) is None and rest_maxnreg(2, 1) is None
+    assert rest_maxnreg(4, 5) is None and rest_maxnreg(1, 9) is None
     assert rest_blocks_per_program(8 * 64, 9, 132, 32) == 1 and rest_blocks_per_program(8 * 64, 9, 132, 127) == 1
     assert rest_blocks_per_program(8 * 64, 9, 132, REST_LOOP_PAGES) == 5
     assert rest_blocks_per_program(8 * 64, 10, 132, 256) == 5            # 10 blocks (a spread of 13): 5 and 5
@@ -1190,7 +1191,7 @@ def test_remaining_blocks_fit_beside_the_paged_programs():
     several): a version that loaded the 16-bit rows as operands took 20 KB, and with it beside the paged kernel by
     PDL the H200 measured calls up to 7 us slower at batches 1 and 8 (BENCHMARKS.md section 1, session 28). One block a
     program also compiles without the loop: under 160 registers a thread, as the paged programs leave room for. With
-    the loop at a cap of 168 registers (decode_rest.rest_maxnreg, the default for several blocks a program), no
+    the loop at a cap of 168 registers (decode_rest.rest_maxnreg, the default for 3 blocks a program or more), no
     spills in the loop (triton 3.7.1 keeps one value outside it on the stack, 3.6 none)."""
     rows = {}
     for blocks, cap in ((1, None), (8, None), (8, 168)):
