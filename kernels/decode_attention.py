@@ -471,6 +471,13 @@ def precision(dot) -> str:
     return "ieee" if dot == tl.float32 else "tf32"
 
 
+def unpacking(dot, compiled: bool | None = None) -> int:
+    """The Triton kernel's ASM for operands of type `dot`: its unpacking by inline PTX for half types (1: bfloat16,
+    2: float16; _quarters) where it is compiled (default: unless interpreted), else 0 (the interpreter has no PTX)."""
+    compiled = not interpreted() if compiled is None else compiled
+    return {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0) if compiled else 0
+
+
 REGISTERS_PER_SM = 65536      # 32-bit registers of an H100 / H200 multiprocessor (what bounds resident programs here)
 # Register cap per thread of the decode kernel. The compiler takes 255 (8 resident one-warp programs per
 # multiprocessor); at 128 the main loop spills about 50 of its ~2,500 instructions per page to L1, and the 16
@@ -585,7 +592,7 @@ def split_kernel_arguments(q, kv: PagedKV, sm_scale: float, parts, num_splits: i
             kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     dot = dot_dtype(q.dtype)
     constants = dict(H=h, GROUP=hq // h, D=d, G=g, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot, PREC=precision(dot),
-                     ASM=0 if interpreted() else {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0),
+                     ASM=unpacking(dot),
                      OFFSET=q.dtype == torch.bfloat16, BLOCK_M=max(8, triton.next_power_of_2(hq // h)),
                      BLOCK_G4=max(16, triton.next_power_of_2(g // 4)), BLOCK_D4=max(16, triton.next_power_of_2(d // 4)),
                      BLOCK_NB=max(32, triton.next_power_of_2(kv.n_boost)))

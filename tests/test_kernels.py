@@ -1185,6 +1185,24 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     assert refused.returncode == 2 and "TRITON_INTERPRET=0" in refused.stderr
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every kernel is compiled for real by the other tests")
+def test_every_kernel_a_cache_launches_compiles_for_a_gpu_at_pages_under_16_tokens():
+    """Here the kernels run in Triton's interpreter, which runs a jit function as Python: kernels.compile_check
+    records the launches of caches (kitty-pro, kivi-k4v4 and the query-aware kitty-q; bfloat16 and float32 models)
+    at pages of 4 and 8 tokens and compiles each for sm_90. At those sizes a key tile has 1 or 2 rows, and a reshape
+    that layout.in_order built after a returning branch broke every such cache on a GPU (session 37); the tool
+    reports that tree's quantize, flush and page-reading kernels as failed."""
+    cmd = [sys.executable, "-m", "kernels.compile_check", "--page-sizes", "4", "8", "--methods", "kitty-pro",
+           "kivi-k4v4", "kitty-q", "--dtypes", "bfloat16", "float32"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    compiled = set(re.findall(r"^ok +(\w+) \(", run.stdout, re.M))
+    assert {"_quantize_keys_kernel", "_quantize_values_kernel", "_flush_keys_kernel", "_flush_values_kernel",
+            "_key_pages_into_kernel", "_channel_error_kernel", "_decode_split_kernel", "_rest_kernel",
+            "_merge_splits_kernel", "_chunk_attention_kernel"} <= compiled, compiled
+    assert re.search(r"^\d+ launches, 0 failed to compile for sm_90$", run.stdout, re.M), run.stdout[-500:]
+
+
 def test_remaining_blocks_fit_beside_the_paged_programs():
     """The remaining blocks' kernel compiled for sm_90 (`python -m kernels.sass_profile --kernel rest`, kitty-pro,
     Qwen3-8B's shape, 2 warps) takes 12 KB of shared memory a program with one block (13 KB with its loop over
