@@ -138,8 +138,9 @@ def _quarters(x, DOT: tl.constexpr, ASM: tl.constexpr):
         return tl.inline_asm_elementwise(asm=UNPACK_FP16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x],
                                          dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
                                          pack=4)
-    w = x.to(tl.int32)
-    return (w & 3).to(DOT), ((w >> 2) & 3).to(DOT), ((w >> 4) & 3).to(DOT), ((w >> 6) & 3).to(DOT)
+    else:
+        w = x.to(tl.int32)
+        return (w & 3).to(DOT), ((w >> 2) & 3).to(DOT), ((w >> 4) & 3).to(DOT), ((w >> 6) & 3).to(DOT)
 
 
 @triton.jit
@@ -150,9 +151,10 @@ def _quarters_offset(x, DOT: tl.constexpr, ASM: tl.constexpr):
         return tl.inline_asm_elementwise(asm=UNPACK_BF16_OFFSET, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x],
                                          dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
                                          pack=4)
-    w = x.to(tl.int32)
-    return ((w & 3).to(DOT) + OFFSET_MAGIC, ((w >> 2) & 3).to(DOT) * OFFSET_W1 + OFFSET_MAGIC,
-            ((w >> 4) & 3).to(DOT) * OFFSET_W2 + OFFSET_MAGIC, ((w >> 6) & 3).to(DOT) + OFFSET_MAGIC)
+    else:
+        w = x.to(tl.int32)
+        return ((w & 3).to(DOT) + OFFSET_MAGIC, ((w >> 2) & 3).to(DOT) * OFFSET_W1 + OFFSET_MAGIC,
+                ((w >> 4) & 3).to(DOT) * OFFSET_W2 + OFFSET_MAGIC, ((w >> 6) & 3).to(DOT) + OFFSET_MAGIC)
 
 
 @triton.jit
@@ -229,8 +231,9 @@ def _key_page_scores(q_cols, hmask, qk_scale, klow_ptr, khigh_ptr, kch_ptr, ksca
         offset = OFFSET_MAGIC * bsum
         return (s0 + (zq - offset)[None, :], s1 * (1.0 / OFFSET_W1) + (zq - offset / OFFSET_W1)[None, :],
                 s2 * (1.0 / OFFSET_W2) + (zq - offset / OFFSET_W2)[None, :], s3 + (zq - offset)[None, :])
-    zq = zq[None, :]
-    return s0 + zq, s1 + zq, s2 + zq, s3 + zq
+    else:
+        zq = zq[None, :]
+        return s0 + zq, s1 + zq, s2 + zq, s3 + zq
 
 
 @triton.jit

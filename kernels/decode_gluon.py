@@ -283,13 +283,14 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
     s3 = _quarter3_sums(s0, s1, s2, s3)
     if FOLD:
         return s0, s1, s2, s3
-    scale = qk_scale * (1.0 / Q_SCALE)
-    if zq_row is None:
-        zq = zq * scale
     else:
-        zq = zq_row[None, :]
-    return (s0 * (_pick(QUARTER_WEIGHT, 0) * scale) + zq, s1 * (_pick(QUARTER_WEIGHT, 1) * scale) + zq,
-            s2 * (_pick(QUARTER_WEIGHT, 2) * scale) + zq, s3 * (_pick(QUARTER_WEIGHT, 3) * scale) + zq)
+        scale = qk_scale * (1.0 / Q_SCALE)
+        if zq_row is None:
+            zq = zq * scale
+        else:
+            zq = zq_row[None, :]
+        return (s0 * (_pick(QUARTER_WEIGHT, 0) * scale) + zq, s1 * (_pick(QUARTER_WEIGHT, 1) * scale) + zq,
+                s2 * (_pick(QUARTER_WEIGHT, 2) * scale) + zq, s3 * (_pick(QUARTER_WEIGHT, 3) * scale) + zq)
 
 
 # ------------------------------------------------------------------------------ the keys' zero terms ahead (ZQ_AHEAD)
@@ -812,8 +813,9 @@ def _waited(bar, phase, TMA: gl.constexpr, cycles, WAITS: gl.constexpr):
         start = _clock()
         _arrived(bar, phase, TMA)
         return cycles + (_clock() - start)
-    _arrived(bar, phase, TMA)
-    return cycles
+    else:
+        _arrived(bar, phase, TMA)
+        return cycles
 
 
 @gluon.jit

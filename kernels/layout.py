@@ -178,7 +178,8 @@ def key_tile(ptr, j, d, mask, G4: tl.constexpr, K: tl.constexpr):
     """The (rows j, columns d) tile of the key plane at ptr (K columns wide), columns in order (0 where masked)."""
     if in_words(key_chunk(K)):
         return in_order(tl.load(ptr + key_offsets(j, d, G4, K, True), mask=mask, other=0), 1)
-    return tl.load(ptr + key_offsets(j, d, G4, K), mask=mask, other=0)
+    else:
+        return tl.load(ptr + key_offsets(j, d, G4, K), mask=mask, other=0)
 
 
 @triton.jit
@@ -197,7 +198,8 @@ def key_tile_and_operand(ptr, j, d, mask, b, G4: tl.constexpr, K: tl.constexpr):
     column order."""
     if in_words(key_chunk(K)):
         return tl.load(ptr + key_offsets(j, d, G4, K, True), mask=mask, other=0), in_order(b, 0)
-    return tl.load(ptr + key_offsets(j, d, G4, K), mask=mask, other=0), b
+    else:
+        return tl.load(ptr + key_offsets(j, d, G4, K), mask=mask, other=0), b
 
 
 @triton.jit
@@ -206,7 +208,8 @@ def value_tile(ptr, c, t, mask, G: tl.constexpr, D4: tl.constexpr, TOKENS: tl.co
     value plane at ptr, tokens in order (0 where masked)."""
     if in_words(G // 4):
         return in_order(tl.load(ptr + value_offsets(c, t, G, D4, True), mask=mask, other=0), TOKENS)
-    return tl.load(ptr + value_offsets(c, t, G, D4), mask=mask, other=0)
+    else:
+        return tl.load(ptr + value_offsets(c, t, G, D4), mask=mask, other=0)
 
 
 @triton.jit
@@ -215,7 +218,8 @@ def value_tile_and_operand(ptr, c, t, mask, b, G: tl.constexpr, D4: tl.constexpr
     key_tile_and_operand's."""
     if in_words(G // 4):
         return tl.load(ptr + value_offsets(c, t, G, D4, True), mask=mask, other=0), in_order(b, 0)
-    return tl.load(ptr + value_offsets(c, t, G, D4), mask=mask, other=0), b
+    else:
+        return tl.load(ptr + value_offsets(c, t, G, D4), mask=mask, other=0), b
 
 
 @triton.jit

@@ -127,9 +127,10 @@ def _extremum4(x0, x1, x2, x3, mask, axis: tl.constexpr, largest: tl.constexpr):
         fill = float("-inf")
         return tl.max(tl.maximum(tl.maximum(tl.where(mask, x0, fill), tl.where(mask, x1, fill)),
                                  tl.maximum(tl.where(mask, x2, fill), tl.where(mask, x3, fill))), axis=axis)
-    fill = float("inf")
-    return tl.min(tl.minimum(tl.minimum(tl.where(mask, x0, fill), tl.where(mask, x1, fill)),
-                             tl.minimum(tl.where(mask, x2, fill), tl.where(mask, x3, fill))), axis=axis)
+    else:
+        fill = float("inf")
+        return tl.min(tl.minimum(tl.minimum(tl.where(mask, x0, fill), tl.where(mask, x1, fill)),
+                                 tl.minimum(tl.where(mask, x2, fill), tl.where(mask, x3, fill))), axis=axis)
 
 
 @triton.jit

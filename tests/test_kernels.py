@@ -1185,6 +1185,32 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     assert refused.returncode == 2 and "TRITON_INTERPRET=0" in refused.stderr
 
 
+def test_no_jit_function_goes_on_after_a_branch_that_returns():
+    """Triton's and Gluon's compilers build the statements after an `if` whose branch returns, even where the branch
+    is taken at compile time: code there must compile for shapes it is never meant for (layout.in_order's other
+    axis did not, for pages under 16 tokens, and only on a GPU: the interpreter runs Python). So every such `if`
+    in kernels/ has an `else` holding the rest."""
+    import ast
+
+    def goes_on(body):
+        for i, node in enumerate(body):
+            if isinstance(node, ast.If):
+                if node.body and isinstance(node.body[-1], ast.Return) and not node.orelse and i + 1 < len(body):
+                    yield node.lineno
+                yield from goes_on(node.body)
+                yield from goes_on(node.orelse)
+            elif isinstance(node, (ast.For, ast.While, ast.With)):
+                yield from goes_on(node.body)
+
+    found = []
+    for path in sorted(Path(__file__).resolve().parents[1].glob("kernels/*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in fn.decorator_list):
+                found += [f"{path.name}:{line} {fn.name}" for line in goes_on(fn.body)]
+    assert not found, found
+    assert list(goes_on(ast.parse("if A:\n    return 1\nx = 2").body)) == [1]        # what the scan finds
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU every kernel is compiled for real by the other tests")
 def test_every_kernel_a_cache_launches_compiles_for_a_gpu_at_pages_under_16_tokens():
     """Here the kernels run in Triton's interpreter, which runs a jit function as Python: kernels.compile_check
