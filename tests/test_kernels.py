@@ -509,6 +509,9 @@ def test_remaining_blocks_a_program_follow_the_launch_size():
     assert rest_blocks_per_program(8 * 1, 9, 132, 256) == 1 and rest_blocks_per_program(8 * 8, 9, 132, 256) == 1
     assert rest_blocks_per_program(8 * 16, 9, 132, 256) == 2 and rest_blocks_per_program(8 * 32, 9, 132, 256) == 3
     assert rest_blocks_per_program(8 * 64, 9, 132, 256) == 5 and rest_blocks_per_program(8 * 1000, 9, 132, 256) == 9
+    assert rest_blocks_per_program(8 * 64, 9, 132, 32) == 1 and rest_blocks_per_program(8 * 64, 9, 132, 127) == 1
+    assert rest_blocks_per_program(8 * 64, 9, 132, REST_LOOP_PAGES) == 5
+    assert rest_blocks_per_program(8 * 64, 10, 132, 256) == 5            # 10 blocks (a spread of 13): 5 and 5
 
 
 def test_remaining_blocks_cap_only_their_longer_loops():
@@ -517,9 +520,6 @@ def test_remaining_blocks_cap_only_their_longer_loops():
     assert rest_maxnreg(2, 5) == rest_maxnreg(2, 3) == 168
     assert rest_maxnreg(2, 2) is None and rest_maxnreg(2, 1) is None
     assert rest_maxnreg(4, 5) is None and rest_maxnreg(1, 9) is None
-    assert rest_blocks_per_program(8 * 64, 9, 132, 32) == 1 and rest_blocks_per_program(8 * 64, 9, 132, 127) == 1
-    assert rest_blocks_per_program(8 * 64, 9, 132, REST_LOOP_PAGES) == 5
-    assert rest_blocks_per_program(8 * 64, 10, 132, 256) == 5            # 10 blocks (a spread of 13): 5 and 5
 
 
 @pytest.mark.parametrize("kernel", [*KERNELS, "gluon-tma+zq-ahead+fold-max"])
