@@ -52,10 +52,10 @@ def rest_maxnreg(warps: int, blocks_per_program: int) -> int | None:
     programs a multiprocessor, each waiting for the registers of three ended paged programs) and 168 without spills
     (6 a multiprocessor). Measured beside the paged kernel by PDL on an H100 (`bench tune --vary rest-pdl`;
     BENCHMARKS.md section 1, session 37): kitty-pro at batch 64 / 32K 482.8 and 483.7 against 486.7 and 487.4 us
-    in two replicates (2 warps at 96, 4 at the compiler's 168 or at 128 and 1 warp at 168 were slower), and in a
-    second run faster by 1.2-5.4 us at all 8 shapes of 3 to 5 blocks a program (kitty and kitty-pro, batches 32
-    and 64, 16K and 32K), slower by 0.9-2.5 at 3 of the 4 of 2 blocks (batch 16). One block a program compiles
-    without the loop, under 168 registers."""
+    in two replicates (2 warps at 96, 4 at the compiler's 168 or at 128 and 1 warp at 168 were slower); in a second
+    run faster by 0.1-5.4 us at all 8 shapes of 3 to 5 blocks a program (kitty and kitty-pro, batches 32 and 64, 16K
+    and 32K), slower by 0.9-2.5 at 3 of the 4 of 2 blocks (batch 16); at batch 32 a third run left it 0.4 us faster
+    on average (7 of 8 pairs). One block a program compiles without the loop, under 168 registers."""
     return 168 if warps == 2 and blocks_per_program >= 3 else None
 
 

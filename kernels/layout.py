@@ -153,13 +153,10 @@ def in_order(tile, AXIS: tl.constexpr):
     in order, and the other way round (SWAP is its own inverse): a register permutation."""
     R: tl.constexpr = tile.shape[0]
     C: tl.constexpr = tile.shape[1]
-    # if / else, not an early return: the compiler also builds the statements after a returning static branch, and
-    # the other axis's reshape fails where that axis is under 4 (keys of pages under 16 tokens: 1 or 2 rows a tile)
     if AXIS == 1:
-        tile = tl.reshape(tl.permute(tl.reshape(tile, (R, C // 4, 2, 2)), (0, 1, 3, 2)), (R, C))
-    else:
-        tile = tl.reshape(tl.permute(tl.reshape(tile, (R // 4, 2, 2, C)), (0, 2, 1, 3)), (R, C))
-    return tile
+        return tl.reshape(tl.permute(tl.reshape(tile, (R, C // 4, 2, 2)), (0, 1, 3, 2)), (R, C))
+    else:   # (an early return would still build this reshape, which fails for tiles under 4 rows: a CPU test)
+        return tl.reshape(tl.permute(tl.reshape(tile, (R // 4, 2, 2, C)), (0, 2, 1, 3)), (R, C))
 
 
 @triton.constexpr_function
