@@ -237,10 +237,8 @@ def bench_attention(args) -> dict:
                     seconds = median_seconds(launches, args.quick)
                     # each of the call's three launches alone (the remaining blocks, the paged slots, the merge), on
                     # the buffers of the call just made: what the call's time is made of, and its gaps. Launched
-                    # without PDL (replays of one launch chained by PDL would overlap each other) and with the merge's
-                    # own launch (a fused merge's remaining blocks wait for the paged programs' counts)
-                    alone = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=False,
-                                            merge="launch")
+                    # without PDL: replays of one launch chained by PDL would overlap each other
+                    alone = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=False)
                     alone()
                     parts_us = {f"{part}_us": median_seconds(getattr(alone, part), args.quick) * 1e6
                                 for part in ("remaining", "paged", "merge")}
@@ -269,14 +267,13 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "rest-blocks", "pdl", "merge", "i8", "loads", "timeline", "pad", "experiments")
+               "rest-pdl", "rest-blocks", "pdl", "i8", "loads", "timeline", "pad", "experiments")
 
 
 # A tune setting's fields but its split (which the shape decides), at the default launch: 1 warp, 3 stages, the Triton
-# kernel at MAXNREG, the remaining blocks' defaults, no PDL, the default merge, the whole launch, no timeline or
-# padding
+# kernel at MAXNREG, the remaining blocks' defaults, no PDL, the whole launch, no timeline or padding
 TUNE_DEFAULTS = dict(warps=1, stages=3, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False, loads=None,
-                     rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None, merge=None)
+                     rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None)
 
 
 def bench_tune(args) -> dict:
@@ -354,10 +351,6 @@ def bench_tune(args) -> dict:
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and
                   # chained by programmatic dependent launch (decode_launches' pdl)
                   "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
-                  # the default Gluon kernel by PDL with the merge in its own launch and fused into the remaining
-                  # blocks' last programs (kernels/merge.py), and fused without PDL
-                  "merge": [{**gluon(cap), "pdl": p, "merge": m} for p, m in (
-                      (True, "launch"), (True, "fused"), (False, "fused"))],
                   # the 8-bit products' kernels at the default cap and at 128 registers, 16 programs a
                   # multiprocessor instead of 12: gluon-tma-i8k's page loop fits 128 without spills (the fp16
                   # kernel's spills 9 loads and stores a page there), each at the split its programs choose;
@@ -404,7 +397,7 @@ def bench_tune(args) -> dict:
                                            maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                            rest_warps=setting["rest_warps"], pdl=setting["pdl"],
                                            rest_maxnreg=setting["rest_maxnreg"],
-                                           rest_blocks=setting["rest_blocks"], merge=setting["merge"])
+                                           rest_blocks=setting["rest_blocks"])
             times = None
             if setting["timeline"]:
                 times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64,

@@ -35,13 +35,12 @@ from typing import Callable
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .decode_rest import (launch_rest, rest_blocks_per_program, rest_maxnreg as default_rest_maxnreg, rest_parts,
                           rest_warps as default_rest_warps)
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV, key_tile_and_operand, value_tile_and_operand
-from .merge import MERGES, arrive, fused_merge_parts, merge_splits
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -345,11 +344,10 @@ def _decode_split_kernel(
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
-        BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False, count_ptr=None):
+        BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, h, part < NSPLIT): the paged slots of sequence b, KV head h that _program_slots gives it, written
     as partial (output, max, sum) number `part`. PDL: the remaining blocks' kernel after it may start at once
-    (decode_launches' pdl). count_ptr: the fused merge's counters, where the program counts itself once its partial
-    is stored (merge.arrive)."""
+    (decode_launches' pdl)."""
     if PDL:
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -401,8 +399,64 @@ def _decode_split_kernel(
         tl.store(out + D4, acc1 + zrow, mask=omask)
         tl.store(out + 2 * D4, acc2 + zrow, mask=omask)
         tl.store(out + 3 * D4, acc3 + zrow, mask=omask)
-    if count_ptr is not None:
-        arrive(count_ptr, b * H + h)
+
+
+@triton.jit(do_not_specialize=["NPART"])
+def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_DC: tl.constexpr, PDL: tl.constexpr = False):
+    """One (sequence, query head) row and BLOCK_DC of its channels: the partials of all NPART parts merged with
+    log-sum-exp weights in one pass (a running maximum rescales what is summed so far), BLOCK_S parts per step.
+    PDL: launched while the kernels that write the partials still run (decode_launches' pdl): it waits for them
+    first."""
+    if PDL:
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    dmask = d < D
+    m_run = float("-inf")
+    den = 0.0
+    num = tl.zeros((BLOCK_DC,), tl.float32)
+    for first in range(0, NPART, BLOCK_S):
+        sp = first + tl.arange(0, BLOCK_S)
+        smask = sp < NPART
+        m = tl.load(pm_ptr + row * NPART + sp, mask=smask, other=float("-inf"))
+        lsum = tl.load(pl_ptr + row * NPART + sp, mask=smask, other=0.0)
+        o = tl.load(po_ptr + (row * NPART + sp[:, None]) * D + d[None, :], mask=smask[:, None] & dmask[None, :],
+                    other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.where(m_run > float("-inf"), tl.math.exp2(m_run - m_new), 0.0)
+        w = tl.where(m > float("-inf"), tl.math.exp2(m - m_new), 0.0)      # empty parts (m = -inf) weigh 0
+        den = den * alpha + tl.sum(lsum * w, 0)
+        num = num * alpha + tl.sum(o * w[:, None], 0)
+        m_run = m_new
+    tl.store(out_ptr + row * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+# The merge reads every part of every row once, MERGE_TILE floats (BLOCK_S parts x BLOCK_DC channels) per step. A
+# row's channels are split over programs while there are too few rows to fill the GPU: a batch of one (32 rows for
+# Qwen3-8B) takes 4 programs of 64 parts x 32 channels per row (21.6 instead of 28.0 us at batch 1 / 32K, where one
+# one-warp program per row looped 16 parts at a time; BENCHMARKS.md section 1); from 4 rows per multiprocessor on
+# (Qwen3-8B: batch 17 and up) each row is one program reading 16 parts x 128 channels a step, the earlier merge's
+# tile. Measured and not kept: the merge without a launch, by the last remaining program of each (sequence, KV head),
+# which waited for its paged programs' counts (release adds, an acquire wait): on an H100 beside the paged kernel by
+# PDL, equal at batch 64 / 32K (kitty-pro 481.5 and 484.4 against 480.4 and 485.5 us; kivi-k2v2 1.4-2.0 faster),
+# 5 us slower at 64 / 4K and 2-3.5x slower at batch 1, where one program merged a row's 136 parts (BENCHMARKS.md
+# section 1, session 38; commit bd2acc7).
+MERGE_TILE = 2048
+MERGE_WARPS = 2
+
+
+def merge_blocks(rows: int, d: int, sm_count: int, num_parts: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_DC) of the merge for `rows` (sequence, query head) rows of d channels and num_parts parts.
+    Channel blocks shrink down to 8 until one step reads all parts (up to 256): batch 1 / 32K of Qwen3-8B has 136
+    parts, read as 256 x 8 tiles by 16 programs a row instead of three dependent steps of 64 x 32 (merge 2.3
+    against 3.1 us, no change at the other five shapes; BENCHMARKS.md section 1, session 13)."""
+    block_dc = triton.next_power_of_2(d)
+    while block_dc > 32 and rows * triton.cdiv(d, block_dc) < 4 * sm_count:
+        block_dc //= 2
+    while block_dc > 8 and MERGE_TILE // block_dc < num_parts:
+        block_dc //= 2
+    return MERGE_TILE // block_dc, block_dc
 
 
 def interpreted() -> bool:
@@ -500,13 +554,10 @@ def balanced_splits(batch: int, kv_heads: int, max_pages: int, sm_count: int, re
 class DecodeWorkspace:
     """decode_attention's partial results and output, kept between calls of one layer so that a decode step
     allocates nothing (and a captured CUDA graph keeps its addresses), and the TMA descriptors of the layer's
-    pages. The output returned by a call is overwritten by the next call with the same workspace. `counts`: the
-    fused merge's counters (kernels/merge.py), int32 (query rows, 2), zero between calls, made with the buffers (so
-    that the buffers' addresses stand for theirs too: CUDA graphs, cache.storage_pointers)."""
+    pages. The output returned by a call is overwritten by the next call with the same workspace."""
 
     def __init__(self):
         self.buffers: tuple[torch.Tensor, ...] = ()
-        self.counts: torch.Tensor | None = None
         self.descriptor_key: tuple | None = None
         self.descriptors: tuple = ()
 
@@ -518,7 +569,6 @@ class DecodeWorkspace:
             part_o = torch.empty((bsz, hq, num_parts, d), dtype=torch.float32, device=q.device)
             part_m = torch.empty((bsz, hq, num_parts), dtype=torch.float32, device=q.device)
             self.buffers = (part_o, part_m, torch.empty_like(part_m), torch.empty_like(q))
-            self.counts = torch.zeros((bsz * hq, 2), dtype=torch.int32, device=q.device)
         return self.buffers
 
     def tma_descriptors(self, kv: PagedKV, head_dim: int) -> tuple:
@@ -629,8 +679,6 @@ def is_gluon(kernel: str) -> bool:
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
 PDL = True
-# decode_launches' merge by default: its own launch ("fused": kernels/merge.py, not yet measured on a GPU)
-MERGE = "launch"
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
@@ -670,7 +718,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                      pdl: bool | None = None, rest_maxnreg: int | None = None,
-                     rest_blocks: int | None = None, merge: str | None = None) -> torch.Tensor:
+                     rest_blocks: int | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches (decode_launches): the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers)
     and the merge of their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default:
@@ -684,37 +732,27 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their
     register cap (default: decode_rest.rest_maxnreg; 255 leaves it to the compiler) and blocks a program (default:
     decode_rest.rest_blocks_per_program). pdl: the three launches chained by programmatic dependent launch
-    (decode_launches; default PDL). merge: how the partials are merged, "launch" or "fused" (kernels/merge.py;
-    default MERGE). With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per
-    call."""
+    (decode_launches; default PDL). With a workspace, its buffers are reused (see DecodeWorkspace); without, they are
+    allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
-                           rest_warps, pdl, rest_maxnreg, rest_blocks, merge=merge)()
+                           rest_warps, pdl, rest_maxnreg, rest_blocks)()
 
 
 @dataclass
 class DecodeLaunches:
-    """decode_attention's launches, each with every setting resolved, so that each can also be timed alone (bench
-    attention's parts, with merge "launch": a fused merge's remaining blocks wait for the paged programs); calling
-    the whole runs them in order (the remaining blocks first, or with `pdl` or a fused merge (`counts`, its
-    counters) the paged slots first) and returns `out`, which the merge writes. A fused merge's counters are set
-    back to zero where a launch fails, so that the next call counts from zero."""
+    """decode_attention's three launches, each with every setting resolved, so that each can also be timed alone
+    (bench attention's parts); calling the whole runs them in order (the remaining blocks first, or with `pdl` the
+    paged slots first) and returns `out`, which the merge writes."""
     remaining: Callable[[], None]
     paged: Callable[[], None]
     merge: Callable[[], None]
     out: torch.Tensor
     pdl: bool = False
-    counts: torch.Tensor | None = None
 
     def __call__(self) -> torch.Tensor:
-        paged_first = self.pdl or self.counts is not None
-        try:
-            for launch in (self.paged, self.remaining) if paged_first else (self.remaining, self.paged):
-                launch()
-            self.merge()
-        except BaseException:
-            if self.counts is not None:
-                self.counts.zero_()
-            raise
+        for launch in (self.paged, self.remaining) if self.pdl else (self.remaining, self.paged):
+            launch()
+        self.merge()
         return self.out
 
 
@@ -722,8 +760,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
                     workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                     pdl: bool | None = None, rest_maxnreg: int | None = None,
-                    rest_blocks: int | None = None, times: tuple | None = None,
-                    merge: str | None = None) -> DecodeLaunches:
+                    rest_blocks: int | None = None, times: tuple | None = None) -> DecodeLaunches:
     """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
     the merge, with the kernel, split, register cap and warps resolved as it resolves them.
 
@@ -736,14 +773,8 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     about 1 us of gaps, against SDPA's 9.2 (BENCHMARKS.md section 1, session 18).
     times (a measurement, `bench tune --vary timeline`; a Gluon paged kernel only): two int64 buffers, (paged,
     remaining), of decode_rest.TIMES_ROW a program, at least as many rows as each launch's programs, to which
-    each program of the paged and of the remaining blocks' launch writes when it started and ended, and where.
-    merge: "launch" (a third launch, merge.merge_splits) or "fused" (the last remaining program of each sequence and
-    KV head merges its rows: kernels/merge.py; the paged launch goes first, and launches without remaining blocks
-    take "launch"); default MERGE."""
+    each program of the paged and of the remaining blocks' launch writes when it started and ended, and where."""
     check_kernel(kernel)                            # a name it does not take: ValueError
-    merge = MERGE if merge is None else merge
-    if merge not in MERGES:
-        raise ValueError(f"unknown merge {merge!r}: choose one of {', '.join(MERGES)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
@@ -769,9 +800,6 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     qk_scale = sm_scale * math.log2(math.e)
     dot = dot_dtype(q.dtype)
     pdl = (PDL if pdl is None else pdl) and pdl_supported(q.device)
-    counts = workspace.counts if merge == "fused" and rest else None
-    fused = dict(count_ptr=counts, out=parts[3], merge_parts=fused_merge_parts(num_splits + rest, d)) if counts \
-        is not None else {}
 
     # Without PDL the remaining blocks go first: at batch 1 they are as long as the paged slots' programs of a
     # 4K-token sequence. (Other ways to run them beside the paged kernel, measured and not kept: on a second stream,
@@ -780,7 +808,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
     def remaining():
         launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
-                    rest_blocks, times[1] if times else None, **fused)
+                    rest_blocks, times[1] if times else None)
 
     if is_gluon(kernel):
         from . import decode_gluon
@@ -789,7 +817,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
 
         def paged():
             decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, descriptors=descriptors, pdl=pdl,
-                                times=times[0] if times else None, counts=counts, **options)
+                                times=times[0] if times else None, **options)
     elif times:
         raise ValueError(f"times: the paged launch's programs write them in a Gluon kernel, not in {kernel!r}")
     else:
@@ -797,16 +825,29 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
 
         def paged():
             _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps,
-                                                       num_stages=num_stages, PDL=pdl, count_ptr=counts,
+                                                       num_stages=num_stages, PDL=pdl,
                                                        **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-
-    def merged():
-        if counts is None:
-            merge_splits(*parts, multiprocessors(q.device), pdl=pdl)
-    return DecodeLaunches(remaining, paged, merged, parts[3], pdl, counts)
+    return DecodeLaunches(remaining, paged, lambda: merge_splits(*parts, pdl=pdl), parts[3], pdl)
 
 
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: compiled Triton on a Hopper or later GPU (the interpreter has no
     griddepcontrol)."""
     return device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def merge_splits(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,
+                 sm_count: int | None = None, pdl: bool = False) -> torch.Tensor:
+    """out (B, HQ, D) = sum_p 2^(m_p - M) o_p / sum_p 2^(m_p - M) l_p over the parts p of each row (M: the rows'
+    largest m; parts with m = -inf weigh nothing): the split programs' partials (B, HQ, P, D), (B, HQ, P) x 2.
+    sm_count: the multiprocessors the merge spreads over (default: the device's); pdl: launched by programmatic
+    dependent launch beside the kernel before it (decode_launches' pdl)."""
+    bsz, hq, num_parts, d = part_o.shape
+    if sm_count is None:
+        sm_count = multiprocessors(out.device)
+    block_s, block_dc = merge_blocks(bsz * hq, d, sm_count, num_parts)
+    _merge_splits_kernel[(bsz * hq, triton.cdiv(d, block_dc))](part_o, part_m, part_l, out, num_parts, D=d,
+                                                               BLOCK_S=block_s, BLOCK_DC=block_dc,
+                                                               num_warps=MERGE_WARPS,
+                                                               **({"PDL": True, "launch_pdl": True} if pdl else {}))
+    return out

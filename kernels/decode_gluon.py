@@ -990,7 +990,7 @@ def _gluon_paged_kernel(
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZQ_AHEAD: gl.constexpr = False,
         FOLD_MAX: gl.constexpr = False, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
-        PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0, count_ptr=None):
+        PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows /
@@ -1007,9 +1007,7 @@ def _gluon_paged_kernel(
     for its key pages and for its value pages (their mbarriers) and its cycles from start to end (%clock64, read
     around each wait: the page loop changes). PAD / PAD_N (a measurement, `bench tune --vary pad`): PAD_N more
     instructions a page of one kind ("alu": LOP3, "fma": FFMA, "mma": HMMA) on the scores, that add nothing
-    (pad_zero, 0 at run time, masks them out): what one more instruction of each kind costs this kernel (_pad).
-    count_ptr: the fused merge's counters, where the program counts itself once its partial is stored (as
-    kernels/merge.py's arrive)."""
+    (pad_zero, 0 at run time, masks them out): what one more instruction of each kind costs this kernel (_pad)."""
     if times_ptr is not None:
         started = _globaltimer()
     key_wait = 0                                    # WAITS: cycles waited for key pages, for value pages
@@ -1096,9 +1094,6 @@ def _gluon_paged_kernel(
     gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
     gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
-    if count_ptr is not None:
-        _BARRIER()                                  # every lane's stores come before the count
-        gl.atomic_add(count_ptr + 2 * (b * H + h), 1, sem="release", scope="gpu")
     if times_ptr is not None:
         row = times_ptr + ((b * H + h) * NSPLIT + part).to(gl.int64) * TIMES_ROW
         gl.store(row, started)
@@ -1275,16 +1270,15 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
            compute: bool = True, copies: bool = True, times: torch.Tensor | None = None, waits: bool = False,
-           pad: tuple[str, int] | None = None, counts: torch.Tensor | None = None, **experiments: bool) -> None:
+           pad: tuple[str, int] | None = None, **experiments: bool) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only);
     experiments: the experiments' flags (kernel_options: zq_ahead, fold_max).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
     TIMES_ROW a program), each program's start, end and multiprocessor, and with waits its cycles waiting for keys
-    and for values and in all (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N; counts: the fused
-    merge's counters (the kernel's count_ptr)."""
+    and for values and in all (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, **experiments)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
-        *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, WAITS=waits, count_ptr=counts,
+        *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, WAITS=waits,
         **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

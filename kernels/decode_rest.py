@@ -25,7 +25,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
 from .layout import PagedKV, key_tile, value_tile
-from .merge import merge_if_last
 
 # int64 a program in a timeline's rows (bench tune --vary timeline), this kernel's and the Gluon paged kernel's
 # times_ptr, so that one reader takes both: start, end, multiprocessor, then (the paged kernel's, with WAITS) key and
@@ -204,7 +203,7 @@ def _rest_kernel(
         BPP: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False,
-        times_ptr=None, count_ptr=None, out_ptr=None, MERGE_S: tl.constexpr = 16):
+        times_ptr=None):
     """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1 (of the NBLK launched a sequence; _rest_block numbers
     them) of sequence b's remaining tokens for KV head h, one after the other with a running softmax, written as
     part FIRST_PART + p. Blocks without a token of the sequence are skipped (a program with none writes an empty
@@ -218,9 +217,7 @@ def _rest_kernel(
     batch 64 / 4K: 70.0 us a call then, 65.0 now; BENCHMARKS.md section 1, session 25). times_ptr (a measurement,
     `bench tune --vary timeline`): each program writes when it started and ended (%globaltimer, ns; its end before
     the last program's wait) and its multiprocessor, TIMES_ROW int64 a program in grid order, as the Gluon kernel's
-    programs do. count_ptr (the fused merge, kernels/merge.py): the workspace's counters; the pair's last program
-    waits for its paged programs (FIRST_PART of them: they write the first parts) and merges its rows into out_ptr,
-    MERGE_S parts a step (merge_if_last)."""
+    programs do."""
     if times_ptr is not None:
         started = globaltimer()
     if PDL:
@@ -272,9 +269,6 @@ def _rest_kernel(
         tl.store(row, started)
         tl.store(row + 1, globaltimer())
         tl.store(row + 2, smid().to(tl.int64))
-    if count_ptr is not None:
-        merge_if_last(count_ptr, kv_head, po_ptr, pm_ptr, pl_ptr, out_ptr, kv_head * GROUP, d, FIRST_PART,
-                      tl.num_programs(2), NPART, GROUP, D, MERGE_S)
     if PDL:
         if (b == tl.num_programs(0) - 1) & (h == tl.num_programs(1) - 1) & (p == tl.num_programs(2) - 1):
             gdc_wait()
@@ -301,19 +295,14 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
                 num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1,
-                times: torch.Tensor | None = None, count_ptr: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, merge_parts: int = 16) -> None:
+                times: torch.Tensor | None = None) -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program,
     blocks_per_program blocks each; pdl: by programmatic dependent launch, beside the paged slots' kernel launched
     just before; maxnreg: a register cap per thread (a one-warp program of at most 176 fits beside 11 paged programs
     of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary rest-pdl); times (a measurement,
-    int64, TIMES_ROW a program, at least as many rows as programs): the kernel's times_ptr; count_ptr, out and
-    merge_parts (the fused merge, after a paged launch of first_part programs a pair): the kernel's count_ptr, out_ptr
-    and MERGE_S."""
+    int64, TIMES_ROW a program, at least as many rows as programs): the kernel's times_ptr."""
     args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program)
     grid = (q.shape[0], kv.k_fp.shape[1], rest_parts(kv, blocks_per_program))
-    if count_ptr is not None:
-        constants.update(count_ptr=count_ptr, out_ptr=out, MERGE_S=merge_parts)
     _rest_kernel[grid](*args, **constants, times_ptr=times, num_warps=num_warps,
                        **({"launch_pdl": True} if pdl else {}),
                        **({"maxnreg": maxnreg} if maxnreg else {}))

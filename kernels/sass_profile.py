@@ -2,7 +2,7 @@
 
     TRITON_INTERPRET=0 python -m kernels.sass_profile [--method kitty-pro ...] [--dtype bf16] [--group 4] [--arch 90]
                                                       [--kernel triton|gluon|rest] [--warps N] [--maxnreg N]
-                                                      [--rest-blocks N] [--fused-merge] [--opcodes]
+                                                      [--rest-blocks N] [--opcodes]
 
 Prints registers per thread, spill stack, shared memory and the kernel's instructions by class, for the whole
 kernel and for the body of its loop over paged blocks ("loop ...": what one page costs a warp) (matrix,
@@ -53,9 +53,7 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None, pdl: bool = False, fused: bool = False):
-    """The Triton kernel over the paged blocks for an example cache (fused: counting its programs for the fused
-    merge, kernels/merge.py)."""
+                         maxnreg: int | None = None, pdl: bool = False):
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import MAXNREG, _decode_split_kernel, split_kernel_arguments
@@ -69,65 +67,51 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
     return _compile(ASTSource, _decode_split_kernel, args, {**constants, "PDL": pdl}, arch,
                     {"num_warps": num_warps, "num_stages": num_stages,
-                     **({"maxnreg": maxnreg} if maxnreg < 255 else {})}, _fused_counts(fused))
-
-
-def _fused_counts(fused: bool, out: torch.Tensor | None = None) -> dict:
-    """The fused merge's run-time arguments (kernels/merge.py) of a compile: none without it, else the counters
-    (and the rest kernel's output)."""
-    if not fused:
-        return {}
-    return {"count_ptr": torch.zeros(8, 2, dtype=torch.int32), **({"out_ptr": out} if out is not None else {})}
+                     **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                         arch: int = 90, num_warps: int = 2, pdl: bool = False, blocks_per_program: int = 1,
-                        times: bool = False, maxnreg: int | None = None, fused: bool = False):
+                        times: bool = False, maxnreg: int | None = None):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel, its
     programs taking blocks_per_program blocks each (times: writing each program's start, end and multiprocessor,
-    bench tune --vary timeline; maxnreg: launch_rest's register cap, None or 255 the compiler's choice; fused: its
-    last program of a pair merging the pair's rows, kernels/merge.py, after 16 paged programs a pair)."""
+    bench tune --vary timeline; maxnreg: launch_rest's register cap, None or 255 the compiler's choice)."""
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import dot_dtype, precision
     from kernels.decode_rest import TIMES_ROW, _rest_kernel, rest_kernel_arguments, rest_parts
-    from kernels.merge import fused_merge_parts
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
-    n = rest_parts(kv, blocks_per_program) + (16 if fused else 0)
+    n = rest_parts(kv, blocks_per_program)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
-    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 16 if fused else 0, dot_dtype(dtype),
-                                            precision(dot_dtype(dtype)), pdl, blocks_per_program)
-    if fused:
-        constants["MERGE_S"] = fused_merge_parts(n, head_dim)
+    args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
+                                            pdl, blocks_per_program)
     return _compile(ASTSource, _rest_kernel, args, {**constants, **({} if times else {"times_ptr": None})}, arch,
                     {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg and maxnreg < 255 else {})},
-                    {**({"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else {}),
-                     **_fused_counts(fused, torch.zeros_like(q))})
+                    {"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else None)
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
                          pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
                          times: bool = False, waits: bool = False, pad: tuple[str, int] | None = None,
-                         fused: bool = False, **experiments: bool):
+                         **experiments: bool):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
     bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline, with
-    waits also its waits for pages; pad: (kind, instructions a page) more, --vary pad; fused: counting its programs
-    for the fused merge, kernels/merge.py; experiments: the flags of decode_gluon.kernel_options, zq_ahead=True
-    ...)."""
+    waits also its waits for pages; pad: (kind, instructions a page) more, --vary pad; experiments: the flags of
+    decode_gluon.kernel_options, zq_ahead=True ...)."""
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     return compile_gluon_launch(q, kv, splits, arch, maxnreg, use_tma, pdl, i8, compute, copies, times, waits, pad,
-                                fused, **experiments)
+                                **experiments)
 
 
 def compile_gluon_launch(q: torch.Tensor, kv, splits: int = 16, arch: int = 90, maxnreg: int = 255,
                          use_tma: bool = False, pdl: bool = False, i8: int = 0, compute: bool = True,
                          copies: bool = True, times: bool = False, waits: bool = False,
-                         pad: tuple[str, int] | None = None, fused: bool = False, **experiments: bool):
+                         pad: tuple[str, int] | None = None, **experiments: bool):
     """compile_gluon_kernel for queries q (B, HQ, D) over the cache kv (CPU tensors of any launch's shapes)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -142,15 +126,15 @@ def compile_gluon_launch(q: torch.Tensor, kv, splits: int = 16, arch: int = 90, 
                      "PAD_N": pad[1] if pad else 0}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})},
                     {**({"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else {}),
-                     "pad_zero": 0, **_fused_counts(fused)})
+                     "pad_zero": 0})
 
 
 def compile_merge_kernel(rows: int = 32, head_dim: int = 128, parts: int = 41, arch: int = 90, pdl: bool = False):
-    """decode_attention's merge of `parts` partials a row (kernels/merge.py), with its tiles for `rows` rows on 132
-    multiprocessors."""
+    """decode_attention's merge of `parts` partials a row (kernels/decode_attention.py), with its tiles for `rows`
+    rows on 132 multiprocessors."""
     from triton.compiler import ASTSource
 
-    from kernels.merge import MERGE_WARPS, _merge_splits_kernel, merge_blocks
+    from kernels.decode_attention import MERGE_WARPS, _merge_splits_kernel, merge_blocks
     block_s, block_dc = merge_blocks(rows, head_dim, 132, parts)
     args = (torch.zeros(rows, parts, head_dim), torch.zeros(rows, parts), torch.zeros(rows, parts),
             torch.zeros(rows, head_dim, dtype=torch.bfloat16), parts)
@@ -178,9 +162,8 @@ def _compile(source_class, fn, args, constants, arch, options, named: dict | Non
             signature[name] = "fp32" if isinstance(value, float) else "i32"
     # every compile-time constant, the defaults too: Triton's cache key joins their values without their names, so
     # that {A: True} and {B: True} (A, B defaulting to False) would share a key, and a profile would read the kernel
-    # compiled first; and the pointers left at None (a measurement's, the fused merge's), which are constants then
-    constants = {**{p.name: p.default for p in fn.params if p.has_default and p.name not in (named or {})
-                    and (p.is_constexpr or p.default is None)}, **constants}
+    # compiled first
+    constants = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constants}
     signature.update({name: "constexpr" for name in constants})
     source = source_class(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
@@ -264,9 +247,6 @@ def main(argv=None) -> int:
                         help="also print the page loop's count of every opcode (which pipe a page fills: LOP3 / SHF / "
                              "PRMT on the integer pipe, HMMA on the matrix unit, FFMA / HMUL2 on the multiply-add "
                              "pipe; bench tune --vary pad measures what one more of some of them costs)")
-    parser.add_argument("--fused-merge", action="store_true",
-                        help="the kernels as the fused merge launches them (kernels/merge.py: the paged programs "
-                             "count themselves, the rest kernel's last program of a pair merges its rows)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG for the Triton kernel, "
                              "the compiler's choice for the Gluon and rest kernels; 255: the compiler's choice)")
@@ -285,14 +265,13 @@ def main(argv=None) -> int:
                 print(f"{method:>10}: {args.kernel} declines its boosted channels (decode_gluon.supports_kernel)")
                 continue
             compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
-                                            fused=args.fused_merge, **options)
+                                            **options)
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
-                                           blocks_per_program=args.rest_blocks, maxnreg=args.maxnreg,
-                                           fused=args.fused_merge)
+                                           blocks_per_program=args.rest_blocks, maxnreg=args.maxnreg)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
-                                            num_stages=args.stages, maxnreg=args.maxnreg, fused=args.fused_merge)
+                                            num_stages=args.stages, maxnreg=args.maxnreg)
         row = profile(compiled)
         opcodes = row.pop("loop opcodes")
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)

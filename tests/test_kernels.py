@@ -25,8 +25,8 @@ from backend.methods import method_config
 from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC,
                                       DecodeWorkspace, balanced_splits, check_kernel, decode_attention,
                                       decode_attention_ref, decode_launches, default_splits, field_weights, gather_kv,
-                                      gluon_maxnreg, is_gluon, kernel_parts, multiprocessors, split_count,
-                                      unpack_asm)
+                                      gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
+                                      multiprocessors, split_count, unpack_asm)
 from kernels.decode_rest import (REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_maxnreg, rest_parts,
                                  rest_warps)
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
@@ -34,7 +34,6 @@ from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequ
 from kernels.layout import (SWAP, boost_mask, key_chunks, key_offsets, key_plane_shape, key_rows, key_tile,
                             pack_quarters, store_key_tile, store_value_tile, unpack_quarters, value_chunks,
                             value_offsets, value_plane_shape, value_rows, value_tile)
-from kernels.merge import merge_blocks, merge_splits
 from kernels.quantize import (channel_error, channel_error_ref, choose_boost, quantize_keys, quantize_keys_ref,
                               quantize_values, quantize_values_ref)
 
@@ -939,73 +938,6 @@ def test_launches_in_a_row_are_timed_eager_and_in_a_graph():
         assert 0 < summary["span_min_us"] <= summary["span_max_us"] < 1e6, result
 
 
-@pytest.mark.parametrize("lengths, group, head_dim, splits", [
-    ([300, 77, 129], 4, 64, 2), ([1, 259], 3, 64, 3), ([131], 8, 128, None), ([200, 40, 5], 1, 64, 1)])
-def test_fused_merge_equals_the_merge_launch(lengths, group, head_dim, splits):
-    """decode_attention(merge="fused"): the last remaining program of each (sequence, KV head) merges its rows once
-    its paged programs have counted themselves (kernels/merge.py). The same output as the merge's own launch (on a
-    GPU: the Gluon kernel, with PDL, whose remaining programs start while paged ones run), the counters back at
-    zero after each call, a second call on the same workspace the same; ragged batches, GQA 1, 3, 4 and 8."""
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    kv, _, _ = random_paged_kv(lengths, heads=2, head_dim=head_dim, n_boost=8, dtype=dtype, seed=len(lengths),
-                               device=DEVICE)
-    q = torch.randn(len(lengths), 2 * group, head_dim, generator=torch.Generator().manual_seed(group))
-    q = q.to(dtype).to(DEVICE)
-    launched = decode_attention(q, kv, head_dim ** -0.5, num_splits=splits, merge="launch")
-    workspace = DecodeWorkspace()
-    fused = decode_attention(q, kv, head_dim ** -0.5, num_splits=splits, merge="fused", workspace=workspace).clone()
-    assert not workspace.counts.any()
-    assert rel_err(fused, launched) < (4e-3 if dtype == torch.bfloat16 else 1e-6)
-    again = decode_attention(q, kv, head_dim ** -0.5, num_splits=splits, merge="fused", workspace=workspace)
-    torch.testing.assert_close(again, fused, atol=0, rtol=0)
-    assert rel_err(fused, decode_attention_ref(q, kv, head_dim ** -0.5)) < 2e-2
-
-
-def test_fused_merge_counters_are_zero_after_a_failed_launch():
-    """A fused call whose remaining blocks' launch fails after the paged programs counted themselves leaves the
-    workspace's counters at zero (DecodeLaunches), so the next call on it merges after its own paged programs;
-    an unknown merge is a ValueError."""
-    kv, _, _ = random_paged_kv([300], heads=2, head_dim=64, dtype=torch.float32, device=DEVICE)
-    q = torch.randn(1, 8, 64).to(DEVICE)
-    workspace = DecodeWorkspace()
-    launches = decode_launches(q, kv, 0.125, num_splits=2, workspace=workspace, merge="fused")
-
-    def failing():
-        raise RuntimeError("out of memory")
-    launches.remaining = failing
-    with pytest.raises(RuntimeError, match="out of memory"):
-        launches()
-    assert not workspace.counts.any()
-    out = decode_attention(q, kv, 0.125, num_splits=2, workspace=workspace, merge="fused")
-    assert rel_err(out, decode_attention(q, kv, 0.125, num_splits=2)) < 1e-3
-    with pytest.raises(ValueError, match="unknown merge 'later'"):
-        decode_attention(q, kv, 0.125, merge="later")
-
-
-def test_fused_merge_compiles_with_release_and_acquire():
-    """Compiled for sm_90 without a GPU (`python -m kernels.sass_profile --fused-merge`): each paged kernel counts
-    its program with one release add after a barrier (its stores before the count); the rest kernel counts with an
-    acquire-release add, waits with acquire loads, reads the partials from L2 (.cg: other multiprocessors wrote
-    them during the launch) and sets the counters back; without the fused merge none of it is there."""
-    code = textwrap.dedent("""
-        import torch
-        from kernels.sass_profile import compile_gluon_kernel, compile_rest_kernel, compile_split_kernel
-        for fused in (False, True):
-            rest = compile_rest_kernel("kitty-pro", torch.bfloat16, 4, pdl=True, fused=fused).asm["ptx"]
-            split = compile_split_kernel("kitty-pro", torch.bfloat16, 4, pdl=True, fused=fused).asm["ptx"]
-            gluon = compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, pdl=True,
-                                         fused=fused).asm["ptx"]
-            print(split.count("atom.global.gpu.release.add"), gluon.count("atom.global.gpu.release.add"),
-                  rest.count("atom.global.gpu.acq_rel.add"), rest.count("ld.global.gpu.acquire"),
-                  rest.count("atom.global.gpu.relaxed.exch"), int("ld.global.cg" in rest))
-    """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
-    plain, fused = (line.split() for line in run.stdout.splitlines())
-    assert plain == ["0"] * 6 and fused == ["1", "1", "1", "1", "2", "1"], run.stdout
-
-
 def test_pdl_compiles_into_the_kernels_for_hopper():
     """decode_attention(pdl=True): either paged kernel lets the remaining blocks' kernel launch at once
     (griddepcontrol.launch_dependents), which lets the merge launch at once and waits for the paged grid before it
@@ -1036,33 +968,31 @@ def test_pdl_compiles_into_the_kernels_for_hopper():
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a Hopper or later GPU")
-@pytest.mark.parametrize("merge", ["launch", "fused"])
 @pytest.mark.parametrize("kernel", ["auto", "triton"])
-def test_decode_attention_with_pdl_equals_without(kernel, merge):
+def test_decode_attention_with_pdl_equals_without(kernel):
     """The same partials in either launch order, so the same output to the bit (one sequence, as at batch 1, a
     ragged batch with a sequence shorter than a page, and 48 sequences of 8 KV heads whose paged programs fill the
     multiprocessors while the remaining blocks' programs end long before them), also under a CUDA graph as decode
     steps replay it, and with the partials poisoned first: a merge that read before a partial was written would
-    differ. With either merge: fused, the last remaining programs wait for the paged ones by the counters alone."""
+    differ."""
     for lengths, heads, copies in (([4100], 2, 1), ([4100, 300, 1], 2, 1), ([8200], 8, 48)):
         kv, _, _ = random_paged_kv(lengths, heads=heads, head_dim=128, n_boost=32, seed=5, device=DEVICE,
                                    dtype=torch.bfloat16)
         kv = same_sequences(kv, copies)
         q = torch.randn(len(lengths) * copies, 4 * heads, 128, generator=torch.Generator().manual_seed(2))
         q = q.to(torch.bfloat16).to(DEVICE)
-        plain = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=False, merge=merge).clone()
+        plain = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=False).clone()     # PDL is the default
         workspace = DecodeWorkspace()
-        decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=True, workspace=workspace, merge=merge)
+        decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=True, workspace=workspace)
         torch.testing.assert_close(workspace.buffers[3], plain, atol=0, rtol=0)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=True, workspace=workspace, merge=merge)
+            out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, pdl=True, workspace=workspace)
         for _ in range(3):
             for buffer in workspace.buffers:
                 buffer.fill_(float("nan"))
             graph.replay()
             torch.testing.assert_close(out, plain, atol=0, rtol=0)
-        assert not workspace.counts.any()
 
 
 def same_sequences(kv, n: int):
