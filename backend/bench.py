@@ -61,9 +61,10 @@ import triton
 import triton.testing
 
 # on a CPU: Triton interpreted
-from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
+from kernels.decode_attention import (FOLDED_KERNEL, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
                                       DecodeWorkspace, check_kernel, choose_kernel, decode_attention, decode_launches,
-                                      default_splits, gluon_maxnreg, multiprocessors, resident_programs, split_count)
+                                      default_splits, gluon_maxnreg, is_gluon, multiprocessors, resident_programs,
+                                      split_count)
 from kernels.decode_rest import TIMES_ROW, rest_blocks, rest_parts
 from kernels.layout import key_page_bytes, value_page_bytes
 
@@ -307,7 +308,7 @@ def bench_tune(args) -> dict:
         base = dict(TUNE_DEFAULTS, splits=chosen)
 
         default_gluon = choose_kernel(q, kv)            # its copies: by TMA on Hopper, else cp.async
-        default_gluon = default_gluon if default_gluon in GLUON_KERNELS else "gluon"
+        default_gluon = default_gluon if is_gluon(default_gluon) else "gluon"
 
         # the default Gluon kernel's register cap at its own split (gluon_maxnreg)
         cap = gluon_maxnreg(q, kv, split_count(q, kv, default_gluon, GLUON_MAXNREG))
@@ -381,12 +382,12 @@ def bench_tune(args) -> dict:
                   # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD)
                   "pad": [{**gluon(cap), "loads": "whole", "pad": pad} for pad in (
                       None, ("alu", 64), ("alu", 128), ("fma", 64), ("fma", 128), ("mma", 8), ("mma", 16))],
-                  # the Gluon kernel's experiments (decode_attention.GLUON_EXPERIMENTS) against the default, each
-                  # whole, its paged launch alone and its arithmetic alone, with the GPU's clock and power: the
+                  # the Gluon kernel's experiments (decode_attention.GLUON_EXPERIMENTS) against the plain kernel,
+                  # each whole, its paged launch alone and its arithmetic alone, with the GPU's clock and power: the
                   # keys' zero terms 16 pages a product, and with the exponent's multiply-add folding the scores'
-                  # weights
+                  # weights (FOLDED_KERNEL, what "auto" takes for launches of many pages a program)
                   "experiments": [{**gluon(cap, kernel=k), "loads": half} for k in (
-                      default_gluon, "gluon-tma+zq-ahead", "gluon-tma+zq-ahead+fold-max")
+                      "gluon-tma", "gluon-tma+zq-ahead", FOLDED_KERNEL)
                       for half in (None, "whole", "arithmetic")]}
         settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
         settings = [s for i, s in enumerate(settings) if s not in settings[:i]

@@ -637,9 +637,18 @@ GLUON_MAXNREG_FEW = 192
 #   maximum is taken from the unweighted sums (decode_gluon's FOLD_MAX: 32 fewer FADD a page, fp16 key products).
 # Measured on an H100 (BENCHMARKS.md section 1, session 35): no faster at batch 64 (kitty-pro 483.7 and 483.4 against
 # 483.8 us a call at 64 / 32K, the arithmetic alone 323.6 and 321.7 against 319.4), 0.3-0.7 us slower at batches 1
-# and 8; not yet measured on the H200, whose power cap is what they were written for.
+# and 8. On the H200, whose power cap is what they were written for (session 38, one run): both together 391.5
+# against 397.9 us for kitty-pro at 64 / 32K (4.84x SDPA against 4.76x) and 330.9 against 338.4 for kivi-k2v2; at
+# 1 / 32K equal for kitty-pro (13.0) and 0.5 us slower for kivi-k2v2 (11.9 against 11.4); zq-ahead alone 1.0 slower
+# for kitty-pro at 64 / 32K. So "auto" takes both where a program walks many pages (folds_max).
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 GLUON_EXPERIMENTS = ("zq-ahead", "fold-max")
+FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
+# Pages a program from which "auto" takes FOLDED_KERNEL: measured faster at 85 (batch 64 / 32K), not at 2 (batch 1 /
+# 32K); a program's zero terms come ZQ_SLOTS (16) pages a window, so a few pages pay the window for little. The
+# launches between (Qwen3-8B's 64 / 4K and 16K, 32 / 32K: 16-43 pages a program) are not measured on the H200 and
+# keep the plain kernel.
+FOLD_PAGES = 64
 
 
 def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
@@ -705,13 +714,25 @@ def gluon_maxnreg(q: torch.Tensor, kv: PagedKV, num_splits: int, kernel: str = "
 
 
 def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
-    """decode_attention(kernel="auto")'s choice for one-warp programs: "gluon-tma" for a launch it supports
-    (decode_gluon.supports_tma: a Hopper GPU), else "gluon" for one the Gluon kernel supports (decode_gluon.supports:
-    a GPU, 16-bit queries, tileable pages), else "triton"."""
+    """decode_attention(kernel="auto")'s choice for one-warp programs: for a launch it supports
+    (decode_gluon.supports_tma: a Hopper GPU) FOLDED_KERNEL where folds_max, else "gluon-tma"; else "gluon" for one
+    the Gluon kernel supports (decode_gluon.supports: a GPU, 16-bit queries, tileable pages), else "triton"."""
     from . import decode_gluon
     if num_warps != 1 or not decode_gluon.supports(q, kv):
         return "triton"
-    return "gluon-tma" if decode_gluon.supports_tma(q, kv) else "gluon"
+    if not decode_gluon.supports_tma(q, kv):
+        return "gluon"
+    return FOLDED_KERNEL if folds_max(q, kv, multiprocessors(q.device)) else "gluon-tma"
+
+
+def folds_max(q: torch.Tensor, kv: PagedKV, sm_count: int) -> bool:
+    """Whether the plain TMA kernel's programs (balanced_splits at GLUON_MAXNREG on sm_count multiprocessors) would
+    walk at least FOLD_PAGES pages each: where "auto" takes FOLDED_KERNEL."""
+    from . import decode_gluon
+    pages = max(1, kv.k_table.shape[1])
+    splits = balanced_splits(q.shape[0], kv.k_fp.shape[1], pages, sm_count,
+                             decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG))
+    return -(-pages // splits) >= FOLD_PAGES
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,

@@ -22,10 +22,10 @@ from paged_factory import random_paged_kv
 
 from backend.cache import KittyLayer
 from backend.methods import method_config
-from kernels.decode_attention import (GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAGIC,
-                                      DecodeWorkspace, balanced_splits, check_kernel, decode_attention,
-                                      decode_attention_ref, decode_launches, default_splits, field_weights, gather_kv,
-                                      gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
+from kernels.decode_attention import (FOLDED_KERNEL, GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS,
+                                      MAGIC, DecodeWorkspace, balanced_splits, check_kernel, decode_attention,
+                                      decode_attention_ref, decode_launches, default_splits, field_weights, folds_max,
+                                      gather_kv, gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
                                       multiprocessors, split_count, unpack_asm)
 from kernels.decode_rest import (REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_maxnreg, rest_parts,
                                  rest_warps)
@@ -1034,6 +1034,27 @@ def test_gluon_register_cap_follows_the_programs_a_multiprocessor():
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
     assert gluon_maxnreg(q, kv, 4) == GLUON_MAXNREG_FEW            # 8 heads x 4 splits over 4: 8 a multiprocessor
     assert gluon_maxnreg(q, kv, 5) == GLUON_MAXNREG                # 10
+
+
+@pytest.mark.parametrize("method", ["kitty-pro", "kitty", "kivi-k2v2"])
+def test_auto_folds_the_max_only_where_programs_walk_many_pages(method):
+    """decode_attention's "auto" on Hopper takes FOLDED_KERNEL (zq-ahead and fold-max) where the plain kernel's
+    programs would walk FOLD_PAGES pages or more (folds_max): on the H200 it was faster at batch 64 / 32K, 86 pages a
+    program at Qwen3-8B's shapes on 132 multiprocessors, and not at 1 / 32K, 2 (BENCHMARKS.md section 1, session
+    38). The shapes between were not measured there and keep the plain kernel; a batch of 128 walks more pages."""
+    import dataclasses
+
+    from kernels.sass_profile import example_paged_kv
+    kv = example_paged_kv(method, 8, 128, torch.bfloat16)
+
+    def folds(batch, tokens):
+        tables = torch.zeros(batch, tokens // 128, dtype=torch.int32)
+        return folds_max(torch.zeros(batch, 32, 128, dtype=torch.bfloat16),
+                         dataclasses.replace(kv, k_table=tables, v_table=tables), 132)
+    shapes = [(1, 4096), (8, 4096), (64, 4096), (1, 32768), (8, 32768), (16, 32768), (32, 32768), (64, 16384),
+              (64, 32768), (128, 32768)]
+    assert [s for s in shapes if folds(*s)] == [(64, 32768), (128, 32768)]
+    assert check_kernel(FOLDED_KERNEL) and kernel_parts(FOLDED_KERNEL) == ("gluon-tma", ("zq-ahead", "fold-max"))
 
 
 def test_merge_blocks_split_channels_only_while_rows_are_few():
