@@ -644,7 +644,7 @@ GLUON_MAXNREG_FEW = 192
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 GLUON_EXPERIMENTS = ("zq-ahead", "fold-max")
 FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
-# Pages a program from which "auto" takes FOLDED_KERNEL: measured faster at 85 (batch 64 / 32K), not at 2 (batch 1 /
+# Pages a program from which "auto" takes FOLDED_KERNEL: measured faster at 86 (batch 64 / 32K), not at 2 (batch 1 /
 # 32K); a program's zero terms come ZQ_SLOTS (16) pages a window, so a few pages pay the window for little. The
 # launches between (Qwen3-8B's 64 / 4K and 16K, 32 / 32K: 16-43 pages a program) are not measured on the H200 and
 # keep the plain kernel.
@@ -690,11 +690,12 @@ def is_gluon(kernel: str) -> bool:
 PDL = True
 
 
-def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1) -> int:
+def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1,
+                sm_count: int | None = None) -> int:
     """The split of a launch of `kernel` ("triton" or a Gluon kernel) at its register cap: default_splits of the
     programs a multiprocessor holds for the Triton kernel, balanced_splits of those (by registers and shared memory)
-    for the Gluon kernel."""
-    shape = (q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), multiprocessors(q.device))
+    for the Gluon kernel; on sm_count multiprocessors (default: q's device's)."""
+    shape = (q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), sm_count or multiprocessors(q.device))
     if is_gluon(kernel):
         from . import decode_gluon
         zq_ahead = decode_gluon.kernel_options(kernel)["zq_ahead"]
@@ -726,13 +727,10 @@ def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
 
 
 def folds_max(q: torch.Tensor, kv: PagedKV, sm_count: int) -> bool:
-    """Whether the plain TMA kernel's programs (balanced_splits at GLUON_MAXNREG on sm_count multiprocessors) would
+    """Whether the plain TMA kernel's programs (its split_count at GLUON_MAXNREG on sm_count multiprocessors) would
     walk at least FOLD_PAGES pages each: where "auto" takes FOLDED_KERNEL."""
-    from . import decode_gluon
     pages = max(1, kv.k_table.shape[1])
-    splits = balanced_splits(q.shape[0], kv.k_fp.shape[1], pages, sm_count,
-                             decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG))
-    return -(-pages // splits) >= FOLD_PAGES
+    return -(-pages // split_count(q, kv, "gluon-tma", GLUON_MAXNREG, sm_count=sm_count)) >= FOLD_PAGES
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,
