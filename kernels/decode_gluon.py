@@ -195,6 +195,12 @@ def _pick(options, i):
     return options[i]
 
 
+@gluon.constexpr_function
+def _weight(i, PLAIN):
+    """Channel quarter i's accumulator's weight at the end: QUARTER_WEIGHT[i], or 1 where it is in plain units."""
+    return 1.0 if PLAIN else QUARTER_WEIGHT[i]
+
+
 @gluon.jit
 def _tile_products(x, b, acc0, acc1, acc2, acc3, R: gl.constexpr, K: gl.constexpr):
     """acc_i += (quarter i of the (R, K) byte tile x) @ b, for quarters 0-2: 4^i * 2^-24 * (codes @ b); acc3 += the
@@ -859,12 +865,13 @@ _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
                  kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
                  D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr,
-                 ZEROS: gl.constexpr = True):
-    """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split), its slot buffers
+                 ZEROS: gl.constexpr = True, EXTRA: gl.constexpr = 0):
+    """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split, of EXTRA more
+    slots than the sequence's paged ones: REST's remaining tokens, the last part's), its slot buffers
     with the first slot's pages on their way (keys then values: _fetch_keys; the keys' zeros where ZEROS), and the
     page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
-    per_split = gl.cdiv(n_paged, NSPLIT)
+    per_split = gl.cdiv(n_paged + EXTRA, NSPLIT)
     start = part * per_split
     end = gl.minimum(start + per_split, n_paged)
     last = gl.maximum(end - 1, 0)
@@ -979,16 +986,175 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
 
 
 
-@gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART", "pad_zero"])
+# ------------------------------------------------------------------ the remaining tokens in the same launch (REST)
+# decode_attention(kernel="...+rest", an experiment): the program that takes a sequence's last paged slots (part
+# NSPLIT - 1) also takes every token they leave, which decode_rest.py's launch takes otherwise: the key pages whose
+# values are still 16-bit rows (the value window's), then the sink and the key buffer's 16-bit rows, REST_ROWS tokens
+# at a time. Why: beside the paged launch, the remaining blocks' 2-warp Triton programs cost a kitty-pro pair at batch
+# 64 / 32K about 13,000 warp instructions (a key page of the window about 8,700, against 1,307 a page here) and take
+# a multiprocessor's registers as paged programs end; here they are a few more slots of the last program, whose
+# split gives the other programs REST_SLOTS slots more to walk, and the merge reads one partial a part fewer. Values
+# never paged ahead of keys (n_vpages <= n_kpages, as the cache pages them: a value page comes G + window tokens after
+# the sink, a key page G) are what it takes: the rows of the value window start at the first key page without
+# values.
+REST_ROWS = gl.constexpr(16)        # tokens of 16-bit rows at a time: the matrix instruction's k
+REST_SLOTS = gl.constexpr(2)        # slots that the last program's remaining tokens count as in the split
+
+
+@gluon.constexpr_function
+def _rest_slots(REST):
+    """_first_slots' EXTRA: REST_SLOTS with REST, else none."""
+    return REST_SLOTS if REST else 0
+
+
+@gluon.constexpr_function
+def _rows_layout16(D):
+    """(REST_ROWS, D) 16-bit rows over a warp, 8 contiguous elements (16 bytes) a thread: whole rows a copy."""
+    return gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [1, 1], [1, 0])
+
+
+@gluon.jit
+def _load_rows(base, row0, limit, D: gl.constexpr):
+    """REST_ROWS 16-bit rows row0 .. of the (rows, D) tensor at base, in registers (_rows_layout16), zeros for the
+    rows at or past `limit` rows after row0 (they are not tokens of the sequence: a buffer's rows there are junk,
+    and 0 * NaN would be NaN). Loads, not cp.async: a kernel with both cp.async and TMA gets 4 dummy shared loads
+    before each of its page loop's fences (ptxas, triton 3.6)."""
+    lay: gl.constexpr = _rows_layout16(D)
+    t = gl.arange(0, REST_ROWS, layout=gl.SliceLayout(1, lay))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
+    present = (t < limit)[:, None] & (d < D)[None, :]
+    return gl.load(base + (row0 + t[:, None]).to(gl.int64) * D + d[None, :], mask=present, other=0.0)
+
+
+@gluon.jit
+def _sum_rows():
+    """A (16, REST_ROWS) first operand, rows 0-7 zeros and rows 8-15 ones: its products with p add the sum of p
+    to the sums' rows 8-15 and nothing to rows 0-7 (the sums of p * zero: 16-bit values have no zeros)."""
+    lay: gl.constexpr = _rows_layout(REST_ROWS)
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))[:, None]
+    cols = gl.arange(0, REST_ROWS, layout=gl.SliceLayout(0, lay))[None, :]
+    return _a_operand(gl.where((rows >= 8) & (cols >= 0), 1.0, 0.0).to(DOT), 16, REST_ROWS)
+
+
+@gluon.jit
+def _row_values(s, vbase, vrow0, limit, vr, pb, m_i, sums, acc0, acc1, acc2, acc3, D: gl.constexpr,
+                COPIED: gl.constexpr = False):
+    """The online softmax over T tokens' scores s ((T, HEADS) accumulator tile, log2 units, -inf where the token
+    does not exist; T a multiple of REST_ROWS) and their 16-bit value rows vrow0 .. of vbase (the first `limit`
+    of them exist), accumulated in plain units (acc_i: channel quarter i): REST_ROWS rows at a time through vr,
+    out^T (channel, head) += rows^T (channel, token) @ p (token, head), the probabilities through pb (fp16).
+    COPIED (T = REST_ROWS): the rows are in vr already (stored, not yet behind a barrier)."""
+    T: gl.constexpr = s.shape[0]
+    D4: gl.constexpr = D // 4
+    mma: gl.constexpr = _mma()
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)[None, :]
+    sums = sums * alpha
+    acc0 = acc0 * alpha
+    acc1 = acc1 * alpha
+    acc2 = acc2 * alpha
+    acc3 = acc3 * alpha
+    _BARRIER()                                      # every lane's reads of pb and vr are done
+    pb.slice(0, T).store(gl.exp2(s - m_new[None, :]).to(DOT))
+    ones = _sum_rows()
+    a: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    for e in gl.static_range(T // REST_ROWS):
+        if not COPIED:
+            vr.store(_load_rows(vbase, vrow0 + e * REST_ROWS, limit - e * REST_ROWS, D))
+        _BARRIER()
+        p = pb.slice(e * REST_ROWS, REST_ROWS).load(gl.DotOperandLayout(1, mma, 2))
+        sums = mma_v2(ones, p, sums)
+        rows = vr.permute([1, 0])                   # (D, REST_ROWS): the rows' channels as the first operand's rows
+        acc0 = mma_v2(rows.slice(0, D4).load(a).to(DOT), p, acc0)
+        acc1 = mma_v2(rows.slice(D4, D4).load(a).to(DOT), p, acc1)
+        acc2 = mma_v2(rows.slice(2 * D4, D4).load(a).to(DOT), p, acc2)
+        acc3 = mma_v2(rows.slice(3 * D4, D4).load(a).to(DOT), p, acc3)
+        _BARRIER()                                  # every lane's reads of vr are done
+    return m_new, sums, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _remaining_tokens(b, h, ktab, kbufs, kbar, phase, keys, seqlen_ptr, nkp_ptr, nvp_ptr, kfp_ptr, vfp_ptr, CK,
+                      CV, q_s, q_rows, qk_scale, kscale_rows, live, m_i, sums, acc0, acc1, acc2, acc3,
+                      H: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, S: gl.constexpr,
+                      TMA: gl.constexpr):
+    """REST: sequence b's tokens past its paged slots, for KV head h, onto the running state (m_i, sums and the
+    accumulators in plain units): first its key pages without value pages (slots n_paged .. n_kpages - 1; each
+    fetched into kbufs, whose mbarrier kbar completes `phase` next, and scored as the paged loop scores a page),
+    with their 16-bit value rows; then the sink's and the key buffer's 16-bit rows, REST_ROWS at a time."""
+    G4: gl.constexpr = G // 4
+    mma: gl.constexpr = _mma()
+    klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr = keys
+    length = gl.load(seqlen_ptr + b)
+    nkp = gl.load(nkp_ptr + b)
+    nvp = gl.load(nvp_ptr + b)
+    pair = (b * H + h).to(gl.int64)
+    kbase = kfp_ptr + pair * CK * D
+    vbase = vfp_ptr + pair * CV * D
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    vr = gl.allocate_shared_memory(vfp_ptr.dtype.element_ty, [REST_ROWS, D], flat)
+    pb = gl.allocate_shared_memory(DOT, [max(G4, REST_ROWS), HEADS], _queries_shared())
+    for slot in range(gl.minimum(nkp, nvp), nkp):
+        kpage = gl.load(ktab + slot).to(gl.int64) * H + h
+        _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
+        _commit(TMA)
+        if TMA:
+            mbarrier.wait(kbar, phase)
+        else:
+            async_copy.wait_group(0)
+        phase = phase ^ 1
+        _BARRIER()
+        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, live)
+        _BARRIER()                                  # every lane's key reads are done: the next slot's may come
+        vrow = S + (slot - nvp) * G
+        m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s0, vbase, vrow, G, vr, pb, m_i, sums, acc0, acc1, acc2,
+                                                        acc3, D)
+        m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s1, vbase, vrow + G4, G, vr, pb, m_i, sums, acc0, acc1,
+                                                        acc2, acc3, D)
+        m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s2, vbase, vrow + 2 * G4, G, vr, pb, m_i, sums, acc0, acc1,
+                                                        acc2, acc3, D)
+        m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s3, vbase, vrow + 3 * G4, G, vr, pb, m_i, sums, acc0, acc1,
+                                                        acc2, acc3, D)
+    # the sink's rows (the first rows of both buffers), then the key buffer's (after the sink in k_fp; in v_fp after
+    # the rows of the key pages without values)
+    sink_len = gl.minimum(length, S)
+    n_sink = gl.cdiv(sink_len, REST_ROWS)
+    tail = gl.maximum(length - S - nkp * G, 0)
+    t = gl.arange(0, REST_ROWS, layout=gl.SliceLayout(1, mma))
+    rows: gl.constexpr = _rows_layout(KC)
+    r = gl.arange(0, REST_ROWS, layout=gl.SliceLayout(1, rows))
+    d = gl.arange(0, KC, layout=gl.SliceLayout(0, rows))
+    for j in range(0, n_sink + gl.cdiv(tail, REST_ROWS)):
+        in_sink = j < n_sink
+        row0 = gl.where(in_sink, j * REST_ROWS, (j - n_sink) * REST_ROWS)
+        limit = gl.where(in_sink, sink_len, tail) - row0
+        krow = gl.where(in_sink, row0, S + row0)
+        vrow = gl.where(in_sink, row0, S + (nkp - nvp) * G + row0)
+        vr.store(_load_rows(vbase, vrow, limit, D))
+        # the key rows straight into first operands (columns in operand order, the queries' rows in the same:
+        # _a_operand, _b_operand), zeros past the sequence
+        s = gl.zeros([REST_ROWS, HEADS], gl.float32, mma)
+        key_rows = kbase + (krow + r[:, None]).to(gl.int64) * D + d[None, :]
+        for c in gl.static_range(D // KC):
+            k = gl.load(key_rows + c * KC, mask=(r < limit)[:, None] & (d < KC)[None, :], other=0.0)
+            s = mma_v2(_a_operand(k.to(DOT), REST_ROWS, KC), _b_operand(q_s.index(c).load(_cols_layout(KC)), KC), s)
+        s = gl.where((t < limit)[:, None], s * (qk_scale * (1.0 / Q_SCALE)), float("-inf"))
+        m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s, vbase, vrow, limit, vr, pb, m_i, sums, acc0, acc1, acc2,
+                                                        acc3, D, True)
+    return m_i, sums, acc0, acc1, acc2, acc3
+
+
+@gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART", "CK", "CV", "pad_zero"])
 def _gluon_paged_kernel(
         q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kscale_rows, kzero_rows,
-        ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr,
+        ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, seqlen_ptr, kfp_ptr, vfp_ptr,
         po_ptr, pm_ptr, pl_ptr,
-        qk_scale, KMP, VMP, NSPLIT, NPART,
+        qk_scale, KMP, VMP, NSPLIT, NPART, CK, CV,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZQ_AHEAD: gl.constexpr = False,
-        FOLD_MAX: gl.constexpr = False, PDL: gl.constexpr = False,
+        V_BITS: gl.constexpr, TMA: gl.constexpr, S: gl.constexpr = 0, I8: gl.constexpr = 0,
+        ZQ_AHEAD: gl.constexpr = False, FOLD_MAX: gl.constexpr = False, REST: gl.constexpr = False,
+        PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
         PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
@@ -998,7 +1164,10 @@ def _gluon_paged_kernel(
     columns past the group get zero operands (_live_heads). Experiments (decode_attention.GLUON_EXPERIMENTS):
     ZQ_AHEAD, the keys' zero terms a window of ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the loop
     over slots (_slot) nested in a loop over windows; FOLD_MAX (with ZQ_AHEAD), the scores' weights and zero term in
-    the exponent (_folded_max). PDL: the remaining blocks' kernel after it may start at once (decode_launches' pdl).
+    the exponent (_folded_max); REST, the last part also takes the sequence's tokens past its paged slots
+    (_remaining_tokens: seqlen_ptr, kfp_ptr, vfp_ptr, their buffers' rows CK, CV and the sink S are for it), where
+    decode_rest.py's launch takes them otherwise. PDL: the launch after it may start at once (decode_launches'
+    pdl).
     Two measurements that are not attention (`python -m backend.bench tune --vary loads`): COMPUTE=False, the page
     loop's copies, waits and barriers only (the memory pipeline's own ceiling); COPIES=False, its products and
     barriers only, over the first slot's pages again and again (the arithmetic's own time). times_ptr (a
@@ -1030,9 +1199,11 @@ def _gluon_paged_kernel(
         vbar = 0
     ZQ: gl.constexpr = ZQ_AHEAD and COMPUTE
     FOLD: gl.constexpr = FOLD_MAX and ZQ and I8 == 0              # decode_attention.kernel_parts: with zq-ahead
+    RESTS: gl.constexpr = REST and COMPUTE and COPIES
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA, not ZQ)
+        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA, not ZQ,
+        _rest_slots(RESTS))
     zq_s = _zero_term_buffer(ZQ)
     mma: gl.constexpr = _mma()
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
@@ -1077,6 +1248,20 @@ def _gluon_paged_kernel(
     m_i, sums, acc0, acc1, acc2, acc3 = state
     if not TMA:
         async_copy.wait_group(0)
+    if I8 < 2:
+        acc3 = _quarter3_sums(acc0, acc1, acc2, acc3)
+    if RESTS:
+        # the accumulators in plain units (the 16-bit rows' products add to them as they are), then the last
+        # part's remaining tokens
+        acc0 = acc0 * _pick(QUARTER_WEIGHT, 0)
+        acc1 = acc1 * _pick(QUARTER_WEIGHT, 1)
+        acc2 = acc2 * _pick(QUARTER_WEIGHT, 2)
+        acc3 = acc3 * _pick(QUARTER_WEIGHT, 3)
+        if part == NSPLIT - 1:
+            _BARRIER()                              # every lane's reads of the last slot's buffers are done
+            m_i, sums, acc0, acc1, acc2, acc3 = _remaining_tokens(
+                b, h, ktab, kbufs, kbar, pipeline[0], keys, seqlen_ptr, nkp_ptr, nvp_ptr, kfp_ptr, vfp_ptr, CK, CV,
+                q_s, q_rows, qk_scale, kscale_rows, live, m_i, sums, acc0, acc1, acc2, acc3, H, D, G, NB, S, TMA)
 
     hmask = heads < GROUP
     idx = ((b * H + h) * GROUP + heads).to(gl.int64) * NPART + part
@@ -1088,12 +1273,10 @@ def _gluon_paged_kernel(
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
     zrow = gl.max(gl.where(rows < 8, sums, float("-inf")), axis=0)[None, :]
-    if I8 < 2:
-        acc3 = _quarter3_sums(acc0, acc1, acc2, acc3)
-    gl.store(out, acc0 * _pick(QUARTER_WEIGHT, 0) + zrow, mask=omask)
-    gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
-    gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
-    gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
+    gl.store(out, acc0 * _weight(0, RESTS) + zrow, mask=omask)
+    gl.store(out + D4, acc1 * _weight(1, RESTS) + zrow, mask=omask)
+    gl.store(out + 2 * D4, acc2 * _weight(2, RESTS) + zrow, mask=omask)
+    gl.store(out + 3 * D4, acc3 * _weight(3, RESTS) + zrow, mask=omask)
     if times_ptr is not None:
         row = times_ptr + ((b * H + h) * NSPLIT + part).to(gl.int64) * TIMES_ROW
         gl.store(row, started)
@@ -1171,25 +1354,29 @@ CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one 
 TMA_BARRIERS = 128                  # the mbarriers' allocation (BARRIER_SLOTS)
 
 
-def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, zq_ahead: bool = False) -> int:
+def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, zq_ahead: bool = False,
+                 rest: bool = False) -> int:
     """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers (the boosted channels'
     list padded to TMA_ALIGN), the conversion scratch and, with TMA, the mbarriers' allocation (the placeholders of
     planes the method lacks are never used, and the compiler drops them; tests/test_kernels.py checks this against
-    compiled kernels); with zq_ahead (ZQ_AHEAD), the window of the keys' zero terms instead of the keys' zeros."""
+    compiled kernels); with zq_ahead (ZQ_AHEAD), the window of the keys' zero terms instead of the keys' zeros. With
+    rest (REST), at most that with the keys' zeros and the 16-bit rows' buffers (_remaining_tokens) where the slot's
+    value buffers, which they take the place of after the page loop, are smaller (pages of 64)."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
-    key = g // 4 * (d + nb) + (max(nb, TMA_ALIGN.value) if nb else 0) + (2 if zq_ahead else 4) * d
+    key = g // 4 * (d + nb) + (max(nb, TMA_ALIGN.value) if nb else 0) + (2 if zq_ahead and not rest else 4) * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
+    rows = REST_ROWS.value * d * 2 + max(g // 4, REST_ROWS.value) * HEADS_PER_TILE * 2 if rest else 0
     terms = ZQ_SLOTS.value * HEADS_PER_TILE * 4 if zq_ahead else 0
-    return 16 * d + CONVERT_SCRATCH + key + value + terms + (TMA_BARRIERS if use_tma else 0)
+    return 16 * d + CONVERT_SCRATCH + key + max(value, rows) + terms + (TMA_BARRIERS if use_tma else 0)
 
 
-def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, zq_ahead: bool = False) -> int:
+def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, zq_ahead: bool = False, rest: bool = False) -> int:
     """Programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers and by shared memory
-    (shared_bytes; zq_ahead: ZQ_AHEAD's). A warp's registers come from one of the 4 schedulers' files of 16,384 (in
+    (shared_bytes; zq_ahead, rest: ZQ_AHEAD's, REST's). A warp's registers come from one of the 4 schedulers' files of 16,384 (in
     steps of 8 a thread), so 129 to 170 registers a thread leave 3 warps a scheduler, 12 one-warp programs (ncu on
     the H200 at 144 and 168 registers: BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
     by_registers = 4 * (16384 // (32 * (-(-maxnreg // 8) * 8)))
-    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, zq_ahead=zq_ahead) + SHARED_RESERVED)
+    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, zq_ahead=zq_ahead, rest=rest) + SHARED_RESERVED)
     return max(1, min(by_registers, by_shared))
 
 
@@ -1232,10 +1419,11 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
     pages = (descriptors or tma_descriptors(kv, d)) if use_tma else page_tensors(kv)
-    args = (q, *pages, kv.k_scale, kv.k_zero, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m,
-            part_l, qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
+    args = (q, *pages, kv.k_scale, kv.k_zero, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, kv.seq_len,
+            kv.k_fp, kv.v_fp, part_o, part_m, part_l, qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits,
+            part_m.shape[2], kv.k_fp.shape[2], kv.v_fp.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     I8=i8, **{name.upper(): on for name, on in experiments.items()})
+                     S=kv.sink, I8=i8, **{name.upper(): on for name, on in experiments.items()})
     return args, constants
 
 
