@@ -1026,6 +1026,22 @@ def _load_rows(base, row0, limit, D: gl.constexpr):
     return gl.load(base + (row0 + t[:, None]).to(gl.int64) * D + d[None, :], mask=present, other=0.0)
 
 
+L2_LINE = gl.constexpr(128)         # bytes a prefetch brings into L2
+
+
+@gluon.jit
+def _prefetch_rows(base, rows, D: gl.constexpr):
+    """Prefetch `rows` 16-bit rows at base (D elements each) into L2, a line a lane at a time: the 16-bit rows' loads
+    after it are dependent round trips (REST_ROWS tokens each), which then find L2 instead of memory."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    PER_LINE: gl.constexpr = L2_LINE // 2
+    lines = rows * D // PER_LINE
+    for first in range(0, lines, 32):
+        line = gl.minimum(first + gl.arange(0, 32, layout=lay), lines - 1)
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [base + line * PER_LINE],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def _sum_rows():
     """A (16, REST_ROWS) first operand, rows 0-7 zeros and rows 8-15 ones: its products with p add the sum of p
@@ -1043,10 +1059,15 @@ def _row_values(s, vbase, vrow0, limit, vr, pb, m_i, sums, acc0, acc1, acc2, acc
     does not exist; T a multiple of REST_ROWS) and their 16-bit value rows vrow0 .. of vbase (the first `limit`
     of them exist), accumulated in plain units (acc_i: channel quarter i): REST_ROWS rows at a time through vr,
     out^T (channel, head) += rows^T (channel, token) @ p (token, head), the probabilities through pb (fp16).
-    COPIED (T = REST_ROWS): the rows are in vr already (stored, not yet behind a barrier)."""
+    COPIED (T = REST_ROWS): the rows are in vr already (stored, not yet behind a barrier); else all T rows are
+    loaded at once (one round trip), then stored into vr REST_ROWS at a time."""
     T: gl.constexpr = s.shape[0]
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
+    if not COPIED:
+        v0 = _load_rows(vbase, vrow0, limit, D)
+        if T > REST_ROWS:
+            v1 = _load_rows(vbase, vrow0 + REST_ROWS, limit - REST_ROWS, D)
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     alpha = gl.exp2(m_i - m_new)[None, :]
     sums = sums * alpha
@@ -1060,7 +1081,10 @@ def _row_values(s, vbase, vrow0, limit, vr, pb, m_i, sums, acc0, acc1, acc2, acc
     a: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
     for e in gl.static_range(T // REST_ROWS):
         if not COPIED:
-            vr.store(_load_rows(vbase, vrow0 + e * REST_ROWS, limit - e * REST_ROWS, D))
+            if e == 0:
+                vr.store(v0)
+            else:
+                vr.store(v1)
         _BARRIER()
         p = pb.slice(e * REST_ROWS, REST_ROWS).load(gl.DotOperandLayout(1, mma, 2))
         sums = mma_v2(ones, p, sums)
@@ -1094,6 +1118,14 @@ def _remaining_tokens(b, h, ktab, kbufs, kbar, phase, keys, seqlen_ptr, nkp_ptr,
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     vr = gl.allocate_shared_memory(vfp_ptr.dtype.element_ty, [REST_ROWS, D], flat)
     pb = gl.allocate_shared_memory(DOT, [max(G4, REST_ROWS), HEADS], _queries_shared())
+    # every row below is a dependent round trip's: first all of them on their way into L2 (the sink's and those after
+    # it are contiguous in each buffer)
+    sink_len = gl.minimum(length, S)
+    tail = gl.maximum(length - S - nkp * G, 0)
+    _prefetch_rows(kbase, sink_len, D)
+    _prefetch_rows(vbase, sink_len, D)
+    _prefetch_rows(kbase + S * D, tail, D)
+    _prefetch_rows(vbase + S * D, (nkp - nvp) * G + tail, D)
     for slot in range(gl.minimum(nkp, nvp), nkp):
         kpage = gl.load(ktab + slot).to(gl.int64) * H + h
         _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
@@ -1117,9 +1149,7 @@ def _remaining_tokens(b, h, ktab, kbufs, kbar, phase, keys, seqlen_ptr, nkp_ptr,
                                                         acc2, acc3, D)
     # the sink's rows (the first rows of both buffers), then the key buffer's (after the sink in k_fp; in v_fp after
     # the rows of the key pages without values)
-    sink_len = gl.minimum(length, S)
     n_sink = gl.cdiv(sink_len, REST_ROWS)
-    tail = gl.maximum(length - S - nkp * G, 0)
     t = gl.arange(0, REST_ROWS, layout=gl.SliceLayout(1, mma))
     rows: gl.constexpr = _rows_layout(KC)
     r = gl.arange(0, REST_ROWS, layout=gl.SliceLayout(1, rows))
@@ -1130,7 +1160,7 @@ def _remaining_tokens(b, h, ktab, kbufs, kbar, phase, keys, seqlen_ptr, nkp_ptr,
         limit = gl.where(in_sink, sink_len, tail) - row0
         krow = gl.where(in_sink, row0, S + row0)
         vrow = gl.where(in_sink, row0, S + (nkp - nvp) * G + row0)
-        vr.store(_load_rows(vbase, vrow, limit, D))
+        values = _load_rows(vbase, vrow, limit, D)      # on its way while the scores wait for their keys
         # the key rows straight into first operands (columns in operand order, the queries' rows in the same:
         # _a_operand, _b_operand), zeros past the sequence
         s = gl.zeros([REST_ROWS, HEADS], gl.float32, mma)
@@ -1139,6 +1169,7 @@ def _remaining_tokens(b, h, ktab, kbufs, kbar, phase, keys, seqlen_ptr, nkp_ptr,
             k = gl.load(key_rows + c * KC, mask=(r < limit)[:, None] & (d < KC)[None, :], other=0.0)
             s = mma_v2(_a_operand(k.to(DOT), REST_ROWS, KC), _b_operand(q_s.index(c).load(_cols_layout(KC)), KC), s)
         s = gl.where((t < limit)[:, None], s * (qk_scale * (1.0 / Q_SCALE)), float("-inf"))
+        vr.store(values)
         m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s, vbase, vrow, limit, vr, pb, m_i, sums, acc0, acc1, acc2,
                                                         acc3, D, True)
     return m_i, sums, acc0, acc1, acc2, acc3
