@@ -195,12 +195,6 @@ def _pick(options, i):
     return options[i]
 
 
-@gluon.constexpr_function
-def _weight(i, PLAIN):
-    """Channel quarter i's accumulator's weight at the end: QUARTER_WEIGHT[i], or 1 where it is in plain units."""
-    return 1.0 if PLAIN else QUARTER_WEIGHT[i]
-
-
 @gluon.jit
 def _tile_products(x, b, acc0, acc1, acc2, acc3, R: gl.constexpr, K: gl.constexpr):
     """acc_i += (quarter i of the (R, K) byte tile x) @ b, for quarters 0-2: 4^i * 2^-24 * (codes @ b); acc3 += the
@@ -761,16 +755,18 @@ def _tma_values(vbufs, bar, vpage, vlow_d, vhigh_d, vscale_d, vzero_d, D: gl.con
 
 
 @gluon.jit
-def _barrier_pair():
-    """Two initialised mbarriers (a key and a value buffer's), visible to TMA. One allocation of TMA_ALIGN bytes,
+def _barriers():
+    """Three initialised mbarriers (a key and a value buffer's, and REST's key pages', _remaining_tokens), visible to
+    TMA. One allocation of TMA_ALIGN bytes,
     like every other one of the kernel a multiple of TMA_ALIGN: so no buffer that TMA writes lands off TMA's
     alignment (with a second value buffer, an allocation of 16 bytes before kitty's 16 boosted channels' list put it
     there: "misaligned address" on the H200, BENCHMARKS.md section 1, session 27)."""
     bars = gl.allocate_shared_memory(gl.int64, [BARRIER_SLOTS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bars.index(0), count=1)
     mbarrier.init(bars.index(1), count=1)
+    mbarrier.init(bars.index(2), count=1)
     fence_async_shared()
-    return bars.index(0), bars.index(1)
+    return bars.index(0), bars.index(1), bars.index(2)
 
 
 @gluon.jit
@@ -862,22 +858,25 @@ _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
-def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
-                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
-                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr,
-                 ZEROS: gl.constexpr = True, EXTRA: gl.constexpr = 0):
-    """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split, of EXTRA more
-    slots than the sequence's paged ones: REST's remaining tokens, the last part's), its slot buffers
-    with the first slot's pages on their way (keys then values: _fetch_keys; the keys' zeros where ZEROS), and the
-    page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
+def _slot_range(b, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, EXTRA: gl.constexpr = 0):
+    """Program (b, part)'s paged slots [start, end) (the Triton kernel's _program_slots split, of EXTRA more slots
+    than the sequence's paged ones: REST's remaining tokens, the last part's), the last of them (0 if none) and the
+    sequence's key and value page tables: (start, end, last, ktab, vtab)."""
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
     per_split = gl.cdiv(n_paged + EXTRA, NSPLIT)
     start = part * per_split
     end = gl.minimum(start + per_split, n_paged)
     last = gl.maximum(end - 1, 0)
-    ktab = ktab_ptr + b * KMP
-    vtab = vtab_ptr + b * VMP
-    kbufs = _key_buffers(D, G, NB, TMA)
+    return start, end, last, ktab_ptr + b * KMP, vtab_ptr + b * VMP
+
+
+@gluon.jit
+def _first_fetch(h, start, end, last, ktab, vtab, kbufs, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
+                 vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr, D: gl.constexpr,
+                 G: gl.constexpr, V_BITS: gl.constexpr, NB: gl.constexpr, TMA: gl.constexpr,
+                 ZEROS: gl.constexpr = True):
+    """The value buffers, with the first slot's pages on their way into both kinds' (keys then values: _fetch_keys;
+    the keys' zeros where ZEROS), and the page ids the loop starts from: (vbufs, kpage, kpage_next, vpage_next)."""
     vbufs = _value_buffers(D, G, V_BITS, TMA)
     kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
     vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
@@ -890,6 +889,23 @@ def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSP
     # A program without slots reads no table entry (a sequence's row may have none)
     kpage_next = gl.load(ktab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
     vpage_next = gl.load(vtab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
+    return vbufs, kpage, kpage_next, vpage_next
+
+
+@gluon.jit
+def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
+                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
+                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr,
+                 ZEROS: gl.constexpr = True):
+    """Program (b, h, part)'s paged slots [start, end) (_slot_range), its slot buffers with the first slot's pages
+    on their way (_first_fetch) and the page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs,
+    kpage, kpage_next, vpage_next)."""
+    start, end, last, ktab, vtab = _slot_range(b, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT)
+    kbufs = _key_buffers(D, G, NB, TMA)
+    vbufs, kpage, kpage_next, vpage_next = _first_fetch(h, start, end, last, ktab, vtab, kbufs, klow_ptr, khigh_ptr,
+                                                        kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr,
+                                                        vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, V_BITS, NB, TMA,
+                                                        ZEROS)
     return start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next
 
 
@@ -990,21 +1006,18 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
 # decode_attention(kernel="...+rest", an experiment): the program that takes a sequence's last paged slots (part
 # NSPLIT - 1) also takes every token they leave, which decode_rest.py's launch takes otherwise: the key pages whose
 # values are still 16-bit rows (the value window's), then the sink and the key buffer's 16-bit rows, REST_ROWS tokens
-# at a time. Why: beside the paged launch, the remaining blocks' 2-warp Triton programs cost a kitty-pro pair at batch
-# 64 / 32K about 13,000 warp instructions (a key page of the window about 8,700, against 1,307 a page here) and take
-# a multiprocessor's registers as paged programs end; here they are a few more slots of the last program, whose
-# split gives the other programs REST_SLOTS slots more to walk, and the merge reads one partial a part fewer. Values
+# at a time, before its page loop: a chain of dependent loads, which the other programs' pages hide at the launch's
+# start (after the loop, at its end, nothing did: the H100 measured the paged launch 32 us longer than without for
+# kitty-pro at batch 64 / 32K, BENCHMARKS.md section 1, session 39). Why: beside the paged launch, the remaining
+# blocks' 2-warp Triton programs cost a kitty-pro pair at batch 64 / 32K about 13,000 warp instructions (a key page
+# of the window about 8,700, against 1,307 a page here) and take a multiprocessor's registers as paged programs end;
+# here they are a few more slots of the last program, whose split gives the other programs REST_SLOTS slots more to
+# walk, and the merge reads one partial a part fewer. Values
 # never paged ahead of keys (n_vpages <= n_kpages, as the cache pages them: a value page comes G + window tokens after
 # the sink, a key page G) are what it takes: the rows of the value window start at the first key page without
 # values.
 REST_ROWS = gl.constexpr(16)        # tokens of 16-bit rows at a time: the matrix instruction's k
 REST_SLOTS = gl.constexpr(2)        # slots that the last program's remaining tokens count as in the split
-
-
-@gluon.constexpr_function
-def _rest_slots(REST):
-    """_first_slots' EXTRA: REST_SLOTS with REST, else none."""
-    return REST_SLOTS if REST else 0
 
 
 @gluon.constexpr_function
@@ -1098,14 +1111,15 @@ def _row_values(s, vbase, vrow0, limit, vr, pb, m_i, sums, acc0, acc1, acc2, acc
 
 
 @gluon.jit
-def _remaining_tokens(b, h, ktab, kbufs, kbar, phase, keys, seqlen_ptr, nkp_ptr, nvp_ptr, kfp_ptr, vfp_ptr, CK,
+def _remaining_tokens(b, h, ktab, kbufs, rbar, keys, seqlen_ptr, nkp_ptr, nvp_ptr, kfp_ptr, vfp_ptr, CK,
                       CV, q_s, q_rows, qk_scale, kscale_rows, live, m_i, sums, acc0, acc1, acc2, acc3,
                       H: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, S: gl.constexpr,
                       TMA: gl.constexpr):
     """REST: sequence b's tokens past its paged slots, for KV head h, onto the running state (m_i, sums and the
-    accumulators in plain units): first its key pages without value pages (slots n_paged .. n_kpages - 1; each
-    fetched into kbufs, whose mbarrier kbar completes `phase` next, and scored as the paged loop scores a page),
-    with their 16-bit value rows; then the sink's and the key buffer's 16-bit rows, REST_ROWS at a time."""
+    accumulators, in plain units: _raw_units turns them into the page loop's): first its key pages without value
+    pages (slots n_paged .. n_kpages - 1; each fetched into kbufs on the mbarrier rbar, before the page loop's first
+    copies, and scored as the paged loop scores a page), with their 16-bit value rows; then the sink's and the key
+    buffer's 16-bit rows, REST_ROWS at a time."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr = keys
@@ -1126,18 +1140,19 @@ def _remaining_tokens(b, h, ktab, kbufs, kbar, phase, keys, seqlen_ptr, nkp_ptr,
     _prefetch_rows(vbase, sink_len, D)
     _prefetch_rows(kbase + S * D, tail, D)
     _prefetch_rows(vbase + S * D, (nkp - nvp) * G + tail, D)
+    phase = 0
     for slot in range(gl.minimum(nkp, nvp), nkp):
         kpage = gl.load(ktab + slot).to(gl.int64) * H + h
-        _fetch_keys(kbufs, kbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
+        _fetch_keys(kbufs, rbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
         _commit(TMA)
         if TMA:
-            mbarrier.wait(kbar, phase)
+            mbarrier.wait(rbar, phase)
         else:
             async_copy.wait_group(0)
         phase = phase ^ 1
         _BARRIER()
         s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, live)
-        _BARRIER()                                  # every lane's key reads are done: the next slot's may come
+        _BARRIER()                                  # every lane's key reads are done: the next page may come
         vrow = S + (slot - nvp) * G
         m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s0, vbase, vrow, G, vr, pb, m_i, sums, acc0, acc1, acc2,
                                                         acc3, D)
@@ -1172,7 +1187,19 @@ def _remaining_tokens(b, h, ktab, kbufs, kbar, phase, keys, seqlen_ptr, nkp_ptr,
         vr.store(values)
         m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s, vbase, vrow, limit, vr, pb, m_i, sums, acc0, acc1, acc2,
                                                         acc3, D, True)
+    _BARRIER()                                      # the page loop's copies come into the same shared memory
     return m_i, sums, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _raw_units(m_i, sums, acc0, acc1, acc2, acc3):
+    """_remaining_tokens' state in the page loop's units: channel quarter i's accumulator over QUARTER_WEIGHT[i]
+    (a power of 2: exact), and quarter 3's the sum of all four, as the whole bytes' products sum them
+    (_quarter3_sums takes the other three off at the end)."""
+    acc0 = acc0 * (1.0 / _pick(QUARTER_WEIGHT, 0))
+    acc1 = acc1 * (1.0 / _pick(QUARTER_WEIGHT, 1))
+    acc2 = acc2 * (1.0 / _pick(QUARTER_WEIGHT, 2))
+    return m_i, sums, acc0, acc1, acc2, acc3 * (1.0 / _pick(QUARTER_WEIGHT, 3)) + acc0 + acc1 + acc2
 
 
 @gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART", "CK", "CV", "pad_zero"])
@@ -1224,17 +1251,24 @@ def _gluon_paged_kernel(
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     if TMA:
-        kbar, vbar = _barrier_pair()
+        kbar, vbar, rbar = _barriers()
     else:
         kbar = 0                                    # cp.async groups need no barrier
         vbar = 0
+        rbar = 0
     ZQ: gl.constexpr = ZQ_AHEAD and COMPUTE
     FOLD: gl.constexpr = FOLD_MAX and ZQ and I8 == 0              # decode_attention.kernel_parts: with zq-ahead
     RESTS: gl.constexpr = REST and COMPUTE and COPIES
-    start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
-        b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA, not ZQ,
-        _rest_slots(RESTS))
+    if RESTS:
+        # the value buffers come after the remaining tokens, whose buffers take their place (_remaining_tokens)
+        start, end, last, ktab, vtab = _slot_range(b, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT,
+                                                   REST_SLOTS)
+        kbufs = _key_buffers(D, G, NB, TMA)
+    else:
+        start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
+            b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
+            kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA,
+            not ZQ)
     zq_s = _zero_term_buffer(ZQ)
     mma: gl.constexpr = _mma()
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
@@ -1250,11 +1284,23 @@ def _gluon_paged_kernel(
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc3 = gl.zeros([D4, HEADS], gl.float32, mma)
+    keys = (klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr)
+    if RESTS:
+        if part == NSPLIT - 1:
+            # first, while the other programs' pages keep the multiprocessor busy: its chain of dependent loads
+            # took the paged launch 32 us longer where it came after the page loop (H100, kitty-pro at batch 64 /
+            # 32K; BENCHMARKS.md section 1, session 39)
+            m_i, sums, acc0, acc1, acc2, acc3 = _raw_units(*_remaining_tokens(
+                b, h, ktab, kbufs, rbar, keys, seqlen_ptr, nkp_ptr, nvp_ptr, kfp_ptr, vfp_ptr, CK, CV, q_s, q_rows,
+                qk_scale, kscale_rows, live, m_i, sums, acc0, acc1, acc2, acc3, H, D, G, NB, S, TMA))
+        vbufs, kpage, kpage_next, vpage_next = _first_fetch(h, start, end, last, ktab, vtab, kbufs, klow_ptr,
+                                                            khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr,
+                                                            vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G,
+                                                            V_BITS, NB, TMA, not ZQ)
     phase = 0
     if not COPIES:                                  # the first slot's pages, then no copies and no waits
         _arrived(kbar, 0, TMA)
         _arrived(vbar, 0, TMA)
-    keys = (klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr)
     values = (vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr)
     pipeline = (phase, kpage, kpage_next, vpage_next, key_wait, value_wait)
     state = (m_i, sums, acc0, acc1, acc2, acc3)
@@ -1279,20 +1325,6 @@ def _gluon_paged_kernel(
     m_i, sums, acc0, acc1, acc2, acc3 = state
     if not TMA:
         async_copy.wait_group(0)
-    if I8 < 2:
-        acc3 = _quarter3_sums(acc0, acc1, acc2, acc3)
-    if RESTS:
-        # the accumulators in plain units (the 16-bit rows' products add to them as they are), then the last
-        # part's remaining tokens
-        acc0 = acc0 * _pick(QUARTER_WEIGHT, 0)
-        acc1 = acc1 * _pick(QUARTER_WEIGHT, 1)
-        acc2 = acc2 * _pick(QUARTER_WEIGHT, 2)
-        acc3 = acc3 * _pick(QUARTER_WEIGHT, 3)
-        if part == NSPLIT - 1:
-            _BARRIER()                              # every lane's reads of the last slot's buffers are done
-            m_i, sums, acc0, acc1, acc2, acc3 = _remaining_tokens(
-                b, h, ktab, kbufs, kbar, pipeline[0], keys, seqlen_ptr, nkp_ptr, nvp_ptr, kfp_ptr, vfp_ptr, CK, CV,
-                q_s, q_rows, qk_scale, kscale_rows, live, m_i, sums, acc0, acc1, acc2, acc3, H, D, G, NB, S, TMA)
 
     hmask = heads < GROUP
     idx = ((b * H + h) * GROUP + heads).to(gl.int64) * NPART + part
@@ -1304,10 +1336,12 @@ def _gluon_paged_kernel(
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
     zrow = gl.max(gl.where(rows < 8, sums, float("-inf")), axis=0)[None, :]
-    gl.store(out, acc0 * _weight(0, RESTS) + zrow, mask=omask)
-    gl.store(out + D4, acc1 * _weight(1, RESTS) + zrow, mask=omask)
-    gl.store(out + 2 * D4, acc2 * _weight(2, RESTS) + zrow, mask=omask)
-    gl.store(out + 3 * D4, acc3 * _weight(3, RESTS) + zrow, mask=omask)
+    if I8 < 2:
+        acc3 = _quarter3_sums(acc0, acc1, acc2, acc3)
+    gl.store(out, acc0 * _pick(QUARTER_WEIGHT, 0) + zrow, mask=omask)
+    gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
+    gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
+    gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
     if times_ptr is not None:
         row = times_ptr + ((b * H + h) * NSPLIT + part).to(gl.int64) * TIMES_ROW
         gl.store(row, started)
@@ -1391,10 +1425,10 @@ def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, zq_ahead: bo
     list padded to TMA_ALIGN), the conversion scratch and, with TMA, the mbarriers' allocation (the placeholders of
     planes the method lacks are never used, and the compiler drops them; tests/test_kernels.py checks this against
     compiled kernels); with zq_ahead (ZQ_AHEAD), the window of the keys' zero terms instead of the keys' zeros. With
-    rest (REST), at most that with the keys' zeros and the 16-bit rows' buffers (_remaining_tokens) where the slot's
-    value buffers, which they take the place of after the page loop, are smaller (pages of 64)."""
+    rest (REST), the 16-bit rows' buffers (_remaining_tokens) where they are larger than the slot's value buffers,
+    whose place they take before the page loop (pages of 64: an upper bound there, the compiler packs them closer)."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
-    key = g // 4 * (d + nb) + (max(nb, TMA_ALIGN.value) if nb else 0) + (2 if zq_ahead and not rest else 4) * d
+    key = g // 4 * (d + nb) + (max(nb, TMA_ALIGN.value) if nb else 0) + (2 if zq_ahead else 4) * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
     rows = REST_ROWS.value * d * 2 + max(g // 4, REST_ROWS.value) * HEADS_PER_TILE * 2 if rest else 0
     terms = ZQ_SLOTS.value * HEADS_PER_TILE * 4 if zq_ahead else 0
