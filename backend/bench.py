@@ -242,7 +242,7 @@ def bench_attention(args) -> dict:
                     alone = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=False)
                     alone()
                     parts_us = {f"{part}_us": median_seconds(getattr(alone, part), args.quick) * 1e6
-                                if getattr(alone, part) else None for part in ("remaining", "paged", "merge")}
+                                for part in ("remaining", "paged", "merge")}
                     name = (method if kernel == "auto" else f"{method}/{kernel}") + {None: "", False: "-pdl",
                                                                                       True: "+pdl"}[pdl]
                     ran = choose_kernel(q, kv) if kernel == "auto" else kernel      # what "auto" took
@@ -629,8 +629,7 @@ def print_rows(rows, header=True):
     for r in rows:
         err = "" if r.get("max_err") is None else f"{r['max_err']:.3g}"
         parts = "" if r.get("paged_us") is None else \
-            f"{'-' if r['remaining_us'] is None else format(r['remaining_us'], '.1f')} / {r['paged_us']:.1f} / " \
-            f"{r['merge_us']:.1f}"
+            f"{r['remaining_us']:.1f} / {r['paged_us']:.1f} / {r['merge_us']:.1f}"
         print(f"{r['batch']:>3} {r['tokens']:>6} {r['method']:>20} {r['us']:>10.1f} {parts:>24} {r['gbs']:>8.0f} "
               f"{r['vs_sdpa']:>7.2f}x {err:>9}", flush=True)
 

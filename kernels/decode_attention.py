@@ -634,9 +634,7 @@ GLUON_MAXNREG_FEW = 192
 # - "zq-ahead": the keys' zero term sum_d q_d * zero_d of 16 pages a product, ZQ_SLOTS slots ahead, with the pages'
 #   zeros as the first operand's rows, instead of 8 products with ones a page (decode_gluon's ZQ_AHEAD);
 # - "fold-max": the scores' quarter weights and zero term applied in the exponent's multiply-add, after the page's
-#   maximum is taken from the unweighted sums (decode_gluon's FOLD_MAX: 32 fewer FADD a page, fp16 key products);
-# - "rest": no launch of the remaining blocks (decode_rest.py): each sequence's last paged program takes them too
-#   (decode_gluon's REST), so a call is the paged launch and the merge.
+#   maximum is taken from the unweighted sums (decode_gluon's FOLD_MAX: 32 fewer FADD a page, fp16 key products).
 # Measured on an H100 (BENCHMARKS.md section 1, session 35): no faster at batch 64 (kitty-pro 483.7 and 483.4 against
 # 483.8 us a call at 64 / 32K, the arithmetic alone 323.6 and 321.7 against 319.4), 0.3-0.7 us slower at batches 1
 # and 8. On the H200, whose power cap is what they were written for (session 38, one run): both together 391.5
@@ -644,21 +642,21 @@ GLUON_MAXNREG_FEW = 192
 # 1 / 32K equal for kitty-pro (13.0) and 0.5 us slower for kivi-k2v2 (11.9 against 11.4); zq-ahead alone 1.0 slower
 # for kitty-pro at 64 / 32K. So "auto" takes both where a program walks many pages (folds_max).
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
-GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "rest")
+GLUON_EXPERIMENTS = ("zq-ahead", "fold-max")
 FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
-# Pages a program from which "auto" takes FOLDED_KERNEL: measured faster at 86 (batch 64 / 32K), not at 2 (batch 1 /
-# 32K); a program's zero terms come ZQ_SLOTS (16) pages a window, so a few pages pay the window for little. The
-# launches between (Qwen3-8B's 64 / 4K and 16K, 32 / 32K: 16-43 pages a program) are not measured on the H200 and
-# keep the plain kernel.
-FOLD_PAGES = 64
+# Pages a program from which "auto" takes FOLDED_KERNEL: on the H200 faster for kitty-pro, kitty and kivi-k2v2 at 86,
+# 43 and 32 (Qwen3-8B's batch 64 / 32K; 32 / 32K and 64 / 16K; 32 / 16K: by 7.5-6.9, 4.5-1.7, 3.5-1.0 and 1.0-0.7 us
+# a call, one run, BENCHMARKS.md section 1, session 39), not at 2 (1 / 32K, session 38); a program's zero terms come
+# ZQ_SLOTS (16) pages a window, so a few pages pay the window for little. The launches of 16 pages a program (8 /
+# 32K, 64 / 4K) are not measured with it and keep the plain kernel.
+FOLD_PAGES = 32
 
 
 def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
     """decode_attention's `kernel` -> (its base, the experiments its name adds): ("gluon-tma", ("zq-ahead",)) for
     "gluon-tma+zq-ahead". ValueError for a name decode_attention does not take: a base outside KERNELS,
-    experiments on a kernel that is not a Gluon kernel, an unknown or repeated experiment, "fold-max" without
-    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms), or
-    "rest" on the 8-bit products' kernels."""
+    experiments on a kernel that is not a Gluon kernel, an unknown or repeated experiment, or "fold-max" without
+    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms)."""
     base, *extras = kernel.split("+")
     if base not in KERNELS or (extras and base not in GLUON_KERNELS):
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}, a Gluon kernel "
@@ -670,9 +668,6 @@ def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
     if "fold-max" in extras and (base.endswith(("i8k", "i8")) or "zq-ahead" not in extras):
         raise ValueError(f"decode kernel {kernel!r}: fold-max folds the fp16 key products' weights and the zero "
                          "terms of zq-ahead into the exponent: it takes a kernel with both")
-    if "rest" in extras and base.endswith(("i8k", "i8")):
-        raise ValueError(f"decode kernel {kernel!r}: rest is built and tested on the fp16 products' kernels "
-                         "(gluon, gluon-tma)")
     return base, tuple(extras)
 
 
@@ -690,12 +685,6 @@ def is_gluon(kernel: str) -> bool:
     return kernel_parts(kernel)[0] in GLUON_KERNELS
 
 
-def rest_in_paged(kernel: str) -> bool:
-    """Whether decode_attention's `kernel` (a name kernel_parts takes) takes the remaining blocks in its paged launch
-    ("rest"): then a call has no launch of decode_rest.py and its partials are the paged programs' alone."""
-    return "rest" in kernel_parts(kernel)[1]
-
-
 # decode_launches' pdl by default: the paged kernel first and the other two launched beside it. Measured on the H200
 # against the three launches in a row: faster at 27 of 28 tune pairs (14 shapes, two copy paths), 11.4 -> 7.9 us at
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
@@ -710,9 +699,8 @@ def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_war
     shape = (q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), sm_count or multiprocessors(q.device))
     if is_gluon(kernel):
         from . import decode_gluon
-        options = decode_gluon.kernel_options(kernel)
-        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, options["zq_ahead"],
-                                                                       options["rest"]))
+        zq_ahead = decode_gluon.kernel_options(kernel)["zq_ahead"]
+        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, zq_ahead))
     return default_splits(*shape, resident_programs(maxnreg, num_warps))
 
 
@@ -722,9 +710,8 @@ def gluon_maxnreg(q: torch.Tensor, kv: PagedKV, num_splits: int, kernel: str = "
     GLUON_MAXNREG."""
     from . import decode_gluon
     per_sm = -(-q.shape[0] * kv.k_fp.shape[1] * num_splits // multiprocessors(q.device))
-    options = decode_gluon.kernel_options(kernel)
-    few = per_sm <= decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG_FEW, options["zq_ahead"],
-                                                   options["rest"])
+    zq_ahead = decode_gluon.kernel_options(kernel)["zq_ahead"]
+    few = per_sm <= decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG_FEW, zq_ahead)
     return GLUON_MAXNREG_FEW if few else GLUON_MAXNREG
 
 
@@ -775,9 +762,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
 class DecodeLaunches:
     """decode_attention's three launches, each with every setting resolved, so that each can also be timed alone
     (bench attention's parts); calling the whole runs them in order (the remaining blocks first, or with `pdl` the
-    paged slots first) and returns `out`, which the merge writes. remaining is None where the paged kernel takes
-    the remaining blocks (the "rest" experiment)."""
-    remaining: Callable[[], None] | None
+    paged slots first) and returns `out`, which the merge writes."""
+    remaining: Callable[[], None]
     paged: Callable[[], None]
     merge: Callable[[], None]
     out: torch.Tensor
@@ -785,8 +771,7 @@ class DecodeLaunches:
 
     def __call__(self) -> torch.Tensor:
         for launch in (self.paged, self.remaining) if self.pdl else (self.remaining, self.paged):
-            if launch is not None:
-                launch()
+            launch()
         self.merge()
         return self.out
 
@@ -825,8 +810,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         maxnreg = gluon_maxnreg(q, kv, num_splits, kernel) if is_gluon(kernel) else MAXNREG
     if rest_blocks is None:
         rest_blocks = rest_blocks_per_program(bsz * h, rest_parts(kv), multiprocessors(q.device), kv.k_table.shape[1])
-    in_paged = rest_in_paged(kernel)
-    rest = 0 if in_paged else rest_parts(kv, rest_blocks)
+    rest = rest_parts(kv, rest_blocks)
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
     if rest_maxnreg is None:
@@ -863,8 +847,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
             _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps,
                                                        num_stages=num_stages, PDL=pdl,
                                                        **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-    return DecodeLaunches(None if in_paged else remaining, paged, lambda: merge_splits(*parts, pdl=pdl), parts[3],
-                          pdl)
+    return DecodeLaunches(remaining, paged, lambda: merge_splits(*parts, pdl=pdl), parts[3], pdl)
 
 
 def pdl_supported(device: torch.device) -> bool:

@@ -44,7 +44,9 @@ matrix products a page: within 1 % at batch 64, 3-4 % slower at 1 / 4K; both ses
 integer products with these fp16 operands split into two 8-bit limbs (x * s = hi + lo / 128; one AND per 4 codes,
 each product twice: 14 % slower at batch 64 / 32K for the keys and values, 7 % for the keys alone, and the value
 limbs 2-3x less exact) and a second value buffer at 12 programs a multiprocessor (within 1 % at batch 64 / 32K, up
-to 7 % slower at batch 1; both session 27, in git history). A second key buffer was not built: the programs
+to 7 % slower at batch 1; both session 27, in git history), and the remaining blocks taken by each sequence's last
+paged program, before or after its page loop, instead of decode_rest.py's launch (a chain of dependent loads: slower
+at every shape, 384.4 against 377.0 us for kitty-pro at batch 64 / 32K; session 39, commits 23d8cba-8e7b13b). A second key buffer was not built: the programs
 wait for their key pages 1.5 % of their cycles and for their value pages 1.6 % (kitty-pro at batch 64 / 32K, `bench
 tune --vary timeline`'s WAITS; session 29). No CPU
 interpreter runs Gluon: `decode_attention(..., kernel="gluon")` is tested on a GPU against the PyTorch reference
@@ -755,18 +757,16 @@ def _tma_values(vbufs, bar, vpage, vlow_d, vhigh_d, vscale_d, vzero_d, D: gl.con
 
 
 @gluon.jit
-def _barriers():
-    """Three initialised mbarriers (a key and a value buffer's, and REST's key pages', _remaining_tokens), visible to
-    TMA. One allocation of TMA_ALIGN bytes,
+def _barrier_pair():
+    """Two initialised mbarriers (a key and a value buffer's), visible to TMA. One allocation of TMA_ALIGN bytes,
     like every other one of the kernel a multiple of TMA_ALIGN: so no buffer that TMA writes lands off TMA's
     alignment (with a second value buffer, an allocation of 16 bytes before kitty's 16 boosted channels' list put it
     there: "misaligned address" on the H200, BENCHMARKS.md section 1, session 27)."""
     bars = gl.allocate_shared_memory(gl.int64, [BARRIER_SLOTS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bars.index(0), count=1)
     mbarrier.init(bars.index(1), count=1)
-    mbarrier.init(bars.index(2), count=1)
     fence_async_shared()
-    return bars.index(0), bars.index(1), bars.index(2)
+    return bars.index(0), bars.index(1)
 
 
 @gluon.jit
@@ -858,25 +858,21 @@ _BARRIER = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
-def _slot_range(b, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, EXTRA: gl.constexpr = 0):
-    """Program (b, part)'s paged slots [start, end) (the Triton kernel's _program_slots split, of EXTRA more slots
-    than the sequence's paged ones: REST's remaining tokens, the last part's), the last of them (0 if none) and the
-    sequence's key and value page tables: (start, end, last, ktab, vtab)."""
+def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
+                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
+                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr,
+                 ZEROS: gl.constexpr = True):
+    """Program (b, h, part)'s paged slots [start, end) (the Triton kernel's _program_slots split), its slot buffers
+    with the first slot's pages on their way (keys then values: _fetch_keys; the keys' zeros where ZEROS), and the
+    page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next)."""
     n_paged = gl.minimum(gl.load(nkp_ptr + b), gl.load(nvp_ptr + b))
-    per_split = gl.cdiv(n_paged + EXTRA, NSPLIT)
+    per_split = gl.cdiv(n_paged, NSPLIT)
     start = part * per_split
     end = gl.minimum(start + per_split, n_paged)
     last = gl.maximum(end - 1, 0)
-    return start, end, last, ktab_ptr + b * KMP, vtab_ptr + b * VMP
-
-
-@gluon.jit
-def _first_fetch(h, start, end, last, ktab, vtab, kbufs, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
-                 vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr, D: gl.constexpr,
-                 G: gl.constexpr, V_BITS: gl.constexpr, NB: gl.constexpr, TMA: gl.constexpr,
-                 ZEROS: gl.constexpr = True):
-    """The value buffers, with the first slot's pages on their way into both kinds' (keys then values: _fetch_keys;
-    the keys' zeros where ZEROS), and the page ids the loop starts from: (vbufs, kpage, kpage_next, vpage_next)."""
+    ktab = ktab_ptr + b * KMP
+    vtab = vtab_ptr + b * VMP
+    kbufs = _key_buffers(D, G, NB, TMA)
     vbufs = _value_buffers(D, G, V_BITS, TMA)
     kpage = gl.load(ktab + start, mask=start < end, other=0).to(gl.int64) * H + h
     vpage = gl.load(vtab + start, mask=start < end, other=0).to(gl.int64) * H + h
@@ -889,23 +885,6 @@ def _first_fetch(h, start, end, last, ktab, vtab, kbufs, klow_ptr, khigh_ptr, kc
     # A program without slots reads no table entry (a sequence's row may have none)
     kpage_next = gl.load(ktab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
     vpage_next = gl.load(vtab + gl.minimum(start + 1, last), mask=start < end, other=0).to(gl.int64) * H + h
-    return vbufs, kpage, kpage_next, vpage_next
-
-
-@gluon.jit
-def _first_slots(b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
-                 kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H: gl.constexpr,
-                 D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr,
-                 ZEROS: gl.constexpr = True):
-    """Program (b, h, part)'s paged slots [start, end) (_slot_range), its slot buffers with the first slot's pages
-    on their way (_first_fetch) and the page ids the loop starts from: (start, end, last, ktab, vtab, kbufs, vbufs,
-    kpage, kpage_next, vpage_next)."""
-    start, end, last, ktab, vtab = _slot_range(b, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT)
-    kbufs = _key_buffers(D, G, NB, TMA)
-    vbufs, kpage, kpage_next, vpage_next = _first_fetch(h, start, end, last, ktab, vtab, kbufs, klow_ptr, khigh_ptr,
-                                                        kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr,
-                                                        vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, V_BITS, NB, TMA,
-                                                        ZEROS)
     return start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next
 
 
@@ -1002,217 +981,16 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
 
 
 
-# ------------------------------------------------------------------ the remaining tokens in the same launch (REST)
-# decode_attention(kernel="...+rest", an experiment): the program that takes a sequence's last paged slots (part
-# NSPLIT - 1) also takes every token they leave, which decode_rest.py's launch takes otherwise: the key pages whose
-# values are still 16-bit rows (the value window's), then the sink and the key buffer's 16-bit rows, REST_ROWS tokens
-# at a time, before its page loop: a chain of dependent loads, which the other programs' pages hide at the launch's
-# start (after the loop, at its end, nothing did: the H100 measured the paged launch 32 us longer than without for
-# kitty-pro at batch 64 / 32K, BENCHMARKS.md section 1, session 39). Why: beside the paged launch, the remaining
-# blocks' 2-warp Triton programs cost a kitty-pro pair at batch 64 / 32K about 13,000 warp instructions (a key page
-# of the window about 8,700, against 1,307 a page here) and take a multiprocessor's registers as paged programs end;
-# here they are a few more slots of the last program, whose split gives the other programs REST_SLOTS slots more to
-# walk, and the merge reads one partial a part fewer. Values
-# never paged ahead of keys (n_vpages <= n_kpages, as the cache pages them: a value page comes G + window tokens after
-# the sink, a key page G) are what it takes: the rows of the value window start at the first key page without
-# values.
-REST_ROWS = gl.constexpr(16)        # tokens of 16-bit rows at a time: the matrix instruction's k
-REST_SLOTS = gl.constexpr(2)        # slots that the last program's remaining tokens count as in the split
-
-
-@gluon.constexpr_function
-def _rows_layout16(D):
-    """(REST_ROWS, D) 16-bit rows over a warp, 8 contiguous elements (16 bytes) a thread: whole rows a copy."""
-    return gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [1, 1], [1, 0])
-
-
-@gluon.jit
-def _load_rows(base, row0, limit, D: gl.constexpr):
-    """REST_ROWS 16-bit rows row0 .. of the (rows, D) tensor at base, in registers (_rows_layout16), zeros for the
-    rows at or past `limit` rows after row0 (they are not tokens of the sequence: a buffer's rows there are junk,
-    and 0 * NaN would be NaN). Loads, not cp.async: a kernel with both cp.async and TMA gets 4 dummy shared loads
-    before each of its page loop's fences (ptxas, triton 3.6)."""
-    lay: gl.constexpr = _rows_layout16(D)
-    t = gl.arange(0, REST_ROWS, layout=gl.SliceLayout(1, lay))
-    d = gl.arange(0, D, layout=gl.SliceLayout(0, lay))
-    present = (t < limit)[:, None] & (d < D)[None, :]
-    return gl.load(base + (row0 + t[:, None]).to(gl.int64) * D + d[None, :], mask=present, other=0.0)
-
-
-L2_LINE = gl.constexpr(128)         # bytes a prefetch brings into L2
-
-
-@gluon.jit
-def _prefetch_rows(base, rows, D: gl.constexpr):
-    """Prefetch `rows` 16-bit rows at base (D elements each) into L2, a line a lane at a time: the 16-bit rows' loads
-    after it are dependent round trips (REST_ROWS tokens each), which then find L2 instead of memory."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    PER_LINE: gl.constexpr = L2_LINE // 2
-    lines = rows * D // PER_LINE
-    for first in range(0, lines, 32):
-        line = gl.minimum(first + gl.arange(0, 32, layout=lay), lines - 1)
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [base + line * PER_LINE],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _sum_rows():
-    """A (16, REST_ROWS) first operand, rows 0-7 zeros and rows 8-15 ones: its products with p add the sum of p
-    to the sums' rows 8-15 and nothing to rows 0-7 (the sums of p * zero: 16-bit values have no zeros)."""
-    lay: gl.constexpr = _rows_layout(REST_ROWS)
-    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))[:, None]
-    cols = gl.arange(0, REST_ROWS, layout=gl.SliceLayout(0, lay))[None, :]
-    return _a_operand(gl.where((rows >= 8) & (cols >= 0), 1.0, 0.0).to(DOT), 16, REST_ROWS)
-
-
-@gluon.jit
-def _row_values(s, vbase, vrow0, limit, vr, pb, m_i, sums, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                COPIED: gl.constexpr = False):
-    """The online softmax over T tokens' scores s ((T, HEADS) accumulator tile, log2 units, -inf where the token
-    does not exist; T a multiple of REST_ROWS) and their 16-bit value rows vrow0 .. of vbase (the first `limit`
-    of them exist), accumulated in plain units (acc_i: channel quarter i): REST_ROWS rows at a time through vr,
-    out^T (channel, head) += rows^T (channel, token) @ p (token, head), the probabilities through pb (fp16).
-    COPIED (T = REST_ROWS): the rows are in vr already (stored, not yet behind a barrier); else all T rows are
-    loaded at once (one round trip), then stored into vr REST_ROWS at a time."""
-    T: gl.constexpr = s.shape[0]
-    D4: gl.constexpr = D // 4
-    mma: gl.constexpr = _mma()
-    if not COPIED:
-        v0 = _load_rows(vbase, vrow0, limit, D)
-        if T > REST_ROWS:
-            v1 = _load_rows(vbase, vrow0 + REST_ROWS, limit - REST_ROWS, D)
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    alpha = gl.exp2(m_i - m_new)[None, :]
-    sums = sums * alpha
-    acc0 = acc0 * alpha
-    acc1 = acc1 * alpha
-    acc2 = acc2 * alpha
-    acc3 = acc3 * alpha
-    _BARRIER()                                      # every lane's reads of pb and vr are done
-    pb.slice(0, T).store(gl.exp2(s - m_new[None, :]).to(DOT))
-    ones = _sum_rows()
-    a: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
-    for e in gl.static_range(T // REST_ROWS):
-        if not COPIED:
-            if e == 0:
-                vr.store(v0)
-            else:
-                vr.store(v1)
-        _BARRIER()
-        p = pb.slice(e * REST_ROWS, REST_ROWS).load(gl.DotOperandLayout(1, mma, 2))
-        sums = mma_v2(ones, p, sums)
-        rows = vr.permute([1, 0])                   # (D, REST_ROWS): the rows' channels as the first operand's rows
-        acc0 = mma_v2(rows.slice(0, D4).load(a).to(DOT), p, acc0)
-        acc1 = mma_v2(rows.slice(D4, D4).load(a).to(DOT), p, acc1)
-        acc2 = mma_v2(rows.slice(2 * D4, D4).load(a).to(DOT), p, acc2)
-        acc3 = mma_v2(rows.slice(3 * D4, D4).load(a).to(DOT), p, acc3)
-        _BARRIER()                                  # every lane's reads of vr are done
-    return m_new, sums, acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _remaining_tokens(b, h, ktab, kbufs, rbar, keys, seqlen_ptr, nkp_ptr, nvp_ptr, kfp_ptr, vfp_ptr, CK,
-                      CV, q_s, q_rows, qk_scale, kscale_rows, live, m_i, sums, acc0, acc1, acc2, acc3,
-                      H: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr, S: gl.constexpr,
-                      TMA: gl.constexpr):
-    """REST: sequence b's tokens past its paged slots, for KV head h, onto the running state (m_i, sums and the
-    accumulators, in plain units: _raw_units turns them into the page loop's): first its key pages without value
-    pages (slots n_paged .. n_kpages - 1; each fetched into kbufs on the mbarrier rbar, before the page loop's first
-    copies, and scored as the paged loop scores a page), with their 16-bit value rows; then the sink's and the key
-    buffer's 16-bit rows, REST_ROWS at a time."""
-    G4: gl.constexpr = G // 4
-    mma: gl.constexpr = _mma()
-    klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr = keys
-    length = gl.load(seqlen_ptr + b)
-    nkp = gl.load(nkp_ptr + b)
-    nvp = gl.load(nvp_ptr + b)
-    pair = (b * H + h).to(gl.int64)
-    kbase = kfp_ptr + pair * CK * D
-    vbase = vfp_ptr + pair * CV * D
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    vr = gl.allocate_shared_memory(vfp_ptr.dtype.element_ty, [REST_ROWS, D], flat)
-    pb = gl.allocate_shared_memory(DOT, [max(G4, REST_ROWS), HEADS], _queries_shared())
-    # every row below is a dependent round trip's: first all of them on their way into L2 (the sink's and those after
-    # it are contiguous in each buffer)
-    sink_len = gl.minimum(length, S)
-    tail = gl.maximum(length - S - nkp * G, 0)
-    _prefetch_rows(kbase, sink_len, D)
-    _prefetch_rows(vbase, sink_len, D)
-    _prefetch_rows(kbase + S * D, tail, D)
-    _prefetch_rows(vbase + S * D, (nkp - nvp) * G + tail, D)
-    phase = 0
-    for slot in range(gl.minimum(nkp, nvp), nkp):
-        kpage = gl.load(ktab + slot).to(gl.int64) * H + h
-        _fetch_keys(kbufs, rbar, kpage, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, D, G, NB, TMA)
-        _commit(TMA)
-        if TMA:
-            mbarrier.wait(rbar, phase)
-        else:
-            async_copy.wait_group(0)
-        phase = phase ^ 1
-        _BARRIER()
-        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, live)
-        _BARRIER()                                  # every lane's key reads are done: the next page may come
-        vrow = S + (slot - nvp) * G
-        m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s0, vbase, vrow, G, vr, pb, m_i, sums, acc0, acc1, acc2,
-                                                        acc3, D)
-        m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s1, vbase, vrow + G4, G, vr, pb, m_i, sums, acc0, acc1,
-                                                        acc2, acc3, D)
-        m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s2, vbase, vrow + 2 * G4, G, vr, pb, m_i, sums, acc0, acc1,
-                                                        acc2, acc3, D)
-        m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s3, vbase, vrow + 3 * G4, G, vr, pb, m_i, sums, acc0, acc1,
-                                                        acc2, acc3, D)
-    # the sink's rows (the first rows of both buffers), then the key buffer's (after the sink in k_fp; in v_fp after
-    # the rows of the key pages without values)
-    n_sink = gl.cdiv(sink_len, REST_ROWS)
-    t = gl.arange(0, REST_ROWS, layout=gl.SliceLayout(1, mma))
-    rows: gl.constexpr = _rows_layout(KC)
-    r = gl.arange(0, REST_ROWS, layout=gl.SliceLayout(1, rows))
-    d = gl.arange(0, KC, layout=gl.SliceLayout(0, rows))
-    for j in range(0, n_sink + gl.cdiv(tail, REST_ROWS)):
-        in_sink = j < n_sink
-        row0 = gl.where(in_sink, j * REST_ROWS, (j - n_sink) * REST_ROWS)
-        limit = gl.where(in_sink, sink_len, tail) - row0
-        krow = gl.where(in_sink, row0, S + row0)
-        vrow = gl.where(in_sink, row0, S + (nkp - nvp) * G + row0)
-        values = _load_rows(vbase, vrow, limit, D)      # on its way while the scores wait for their keys
-        # the key rows straight into first operands (columns in operand order, the queries' rows in the same:
-        # _a_operand, _b_operand), zeros past the sequence
-        s = gl.zeros([REST_ROWS, HEADS], gl.float32, mma)
-        key_rows = kbase + (krow + r[:, None]).to(gl.int64) * D + d[None, :]
-        for c in gl.static_range(D // KC):
-            k = gl.load(key_rows + c * KC, mask=(r < limit)[:, None] & (d < KC)[None, :], other=0.0)
-            s = mma_v2(_a_operand(k.to(DOT), REST_ROWS, KC), _b_operand(q_s.index(c).load(_cols_layout(KC)), KC), s)
-        s = gl.where((t < limit)[:, None], s * (qk_scale * (1.0 / Q_SCALE)), float("-inf"))
-        vr.store(values)
-        m_i, sums, acc0, acc1, acc2, acc3 = _row_values(s, vbase, vrow, limit, vr, pb, m_i, sums, acc0, acc1, acc2,
-                                                        acc3, D, True)
-    _BARRIER()                                      # the page loop's copies come into the same shared memory
-    return m_i, sums, acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _raw_units(m_i, sums, acc0, acc1, acc2, acc3):
-    """_remaining_tokens' state in the page loop's units: channel quarter i's accumulator over QUARTER_WEIGHT[i]
-    (a power of 2: exact), and quarter 3's the sum of all four, as the whole bytes' products sum them
-    (_quarter3_sums takes the other three off at the end)."""
-    acc0 = acc0 * (1.0 / _pick(QUARTER_WEIGHT, 0))
-    acc1 = acc1 * (1.0 / _pick(QUARTER_WEIGHT, 1))
-    acc2 = acc2 * (1.0 / _pick(QUARTER_WEIGHT, 2))
-    return m_i, sums, acc0, acc1, acc2, acc3 * (1.0 / _pick(QUARTER_WEIGHT, 3)) + acc0 + acc1 + acc2
-
-
-@gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART", "CK", "CV", "pad_zero"])
+@gluon.jit(do_not_specialize=["KMP", "VMP", "NSPLIT", "NPART", "pad_zero"])
 def _gluon_paged_kernel(
         q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kscale_rows, kzero_rows,
-        ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, seqlen_ptr, kfp_ptr, vfp_ptr,
+        ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr,
         po_ptr, pm_ptr, pl_ptr,
-        qk_scale, KMP, VMP, NSPLIT, NPART, CK, CV,
+        qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
-        V_BITS: gl.constexpr, TMA: gl.constexpr, S: gl.constexpr = 0, I8: gl.constexpr = 0,
-        ZQ_AHEAD: gl.constexpr = False, FOLD_MAX: gl.constexpr = False, REST: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZQ_AHEAD: gl.constexpr = False,
+        FOLD_MAX: gl.constexpr = False, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
         PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
@@ -1222,10 +1000,7 @@ def _gluon_paged_kernel(
     columns past the group get zero operands (_live_heads). Experiments (decode_attention.GLUON_EXPERIMENTS):
     ZQ_AHEAD, the keys' zero terms a window of ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the loop
     over slots (_slot) nested in a loop over windows; FOLD_MAX (with ZQ_AHEAD), the scores' weights and zero term in
-    the exponent (_folded_max); REST, the last part also takes the sequence's tokens past its paged slots
-    (_remaining_tokens: seqlen_ptr, kfp_ptr, vfp_ptr, their buffers' rows CK, CV and the sink S are for it), where
-    decode_rest.py's launch takes them otherwise. PDL: the launch after it may start at once (decode_launches'
-    pdl).
+    the exponent (_folded_max). PDL: the remaining blocks' kernel after it may start at once (decode_launches' pdl).
     Two measurements that are not attention (`python -m backend.bench tune --vary loads`): COMPUTE=False, the page
     loop's copies, waits and barriers only (the memory pipeline's own ceiling); COPIES=False, its products and
     barriers only, over the first slot's pages again and again (the arithmetic's own time). times_ptr (a
@@ -1251,24 +1026,15 @@ def _gluon_paged_kernel(
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     if TMA:
-        kbar, vbar, rbar = _barriers()
+        kbar, vbar = _barrier_pair()
     else:
         kbar = 0                                    # cp.async groups need no barrier
         vbar = 0
-        rbar = 0
     ZQ: gl.constexpr = ZQ_AHEAD and COMPUTE
     FOLD: gl.constexpr = FOLD_MAX and ZQ and I8 == 0              # decode_attention.kernel_parts: with zq-ahead
-    RESTS: gl.constexpr = REST and COMPUTE and COPIES
-    if RESTS:
-        # the value buffers come after the remaining tokens, whose buffers take their place (_remaining_tokens)
-        start, end, last, ktab, vtab = _slot_range(b, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT,
-                                                   REST_SLOTS)
-        kbufs = _key_buffers(D, G, NB, TMA)
-    else:
-        start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
-            b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr,
-            kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA,
-            not ZQ)
+    start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
+        b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+        kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA, not ZQ)
     zq_s = _zero_term_buffer(ZQ)
     mma: gl.constexpr = _mma()
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma))
@@ -1284,23 +1050,11 @@ def _gluon_paged_kernel(
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc2 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc3 = gl.zeros([D4, HEADS], gl.float32, mma)
-    keys = (klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr)
-    if RESTS:
-        if part == NSPLIT - 1:
-            # first, while the other programs' pages keep the multiprocessor busy: its chain of dependent loads
-            # took the paged launch 32 us longer where it came after the page loop (H100, kitty-pro at batch 64 /
-            # 32K; BENCHMARKS.md section 1, session 39)
-            m_i, sums, acc0, acc1, acc2, acc3 = _raw_units(*_remaining_tokens(
-                b, h, ktab, kbufs, rbar, keys, seqlen_ptr, nkp_ptr, nvp_ptr, kfp_ptr, vfp_ptr, CK, CV, q_s, q_rows,
-                qk_scale, kscale_rows, live, m_i, sums, acc0, acc1, acc2, acc3, H, D, G, NB, S, TMA))
-        vbufs, kpage, kpage_next, vpage_next = _first_fetch(h, start, end, last, ktab, vtab, kbufs, klow_ptr,
-                                                            khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr,
-                                                            vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G,
-                                                            V_BITS, NB, TMA, not ZQ)
     phase = 0
     if not COPIES:                                  # the first slot's pages, then no copies and no waits
         _arrived(kbar, 0, TMA)
         _arrived(vbar, 0, TMA)
+    keys = (klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr)
     values = (vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr)
     pipeline = (phase, kpage, kpage_next, vpage_next, key_wait, value_wait)
     state = (m_i, sums, acc0, acc1, acc2, acc3)
@@ -1419,29 +1173,25 @@ CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one 
 TMA_BARRIERS = 128                  # the mbarriers' allocation (BARRIER_SLOTS)
 
 
-def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, zq_ahead: bool = False,
-                 rest: bool = False) -> int:
+def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, zq_ahead: bool = False) -> int:
     """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers (the boosted channels'
     list padded to TMA_ALIGN), the conversion scratch and, with TMA, the mbarriers' allocation (the placeholders of
     planes the method lacks are never used, and the compiler drops them; tests/test_kernels.py checks this against
-    compiled kernels); with zq_ahead (ZQ_AHEAD), the window of the keys' zero terms instead of the keys' zeros. With
-    rest (REST), the 16-bit rows' buffers (_remaining_tokens) where they are larger than the slot's value buffers,
-    whose place they take before the page loop (pages of 64: an upper bound there, the compiler packs them closer)."""
+    compiled kernels); with zq_ahead (ZQ_AHEAD), the window of the keys' zero terms instead of the keys' zeros."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + (max(nb, TMA_ALIGN.value) if nb else 0) + (2 if zq_ahead else 4) * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
-    rows = REST_ROWS.value * d * 2 + max(g // 4, REST_ROWS.value) * HEADS_PER_TILE * 2 if rest else 0
     terms = ZQ_SLOTS.value * HEADS_PER_TILE * 4 if zq_ahead else 0
-    return 16 * d + CONVERT_SCRATCH + key + max(value, rows) + terms + (TMA_BARRIERS if use_tma else 0)
+    return 16 * d + CONVERT_SCRATCH + key + value + terms + (TMA_BARRIERS if use_tma else 0)
 
 
-def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, zq_ahead: bool = False, rest: bool = False) -> int:
+def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, zq_ahead: bool = False) -> int:
     """Programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers and by shared memory
-    (shared_bytes; zq_ahead, rest: ZQ_AHEAD's, REST's). A warp's registers come from one of the 4 schedulers' files of 16,384 (in
+    (shared_bytes; zq_ahead: ZQ_AHEAD's). A warp's registers come from one of the 4 schedulers' files of 16,384 (in
     steps of 8 a thread), so 129 to 170 registers a thread leave 3 warps a scheduler, 12 one-warp programs (ncu on
     the H200 at 144 and 168 registers: BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
     by_registers = 4 * (16384 // (32 * (-(-maxnreg // 8) * 8)))
-    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, zq_ahead=zq_ahead, rest=rest) + SHARED_RESERVED)
+    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, zq_ahead=zq_ahead) + SHARED_RESERVED)
     return max(1, min(by_registers, by_shared))
 
 
@@ -1484,11 +1234,10 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
     pages = (descriptors or tma_descriptors(kv, d)) if use_tma else page_tensors(kv)
-    args = (q, *pages, kv.k_scale, kv.k_zero, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, kv.seq_len,
-            kv.k_fp, kv.v_fp, part_o, part_m, part_l, qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits,
-            part_m.shape[2], kv.k_fp.shape[2], kv.v_fp.shape[2])
+    args = (q, *pages, kv.k_scale, kv.k_zero, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m,
+            part_l, qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
-                     S=kv.sink, I8=i8, **{name.upper(): on for name, on in experiments.items()})
+                     I8=i8, **{name.upper(): on for name, on in experiments.items()})
     return args, constants
 
 

@@ -184,10 +184,9 @@ def profile(compiled) -> dict:
            "stack bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
            "shared bytes": compiled.metadata.shared, "instructions": sum(opcodes.values())}
     row.update({name: sum(opcodes[op] for op in ops) for name, ops in CLASSES.items()})
-    # the paged kernels' page loop, the last innermost loop with matrix products: its body is what one page costs a
-    # warp (the rest kernel's, with --rest-blocks > 1, is its loop over blocks; with one block it has none). Loops
-    # before it (the Gluon kernel's REST: its remaining tokens' loops) and around it (ZQ_AHEAD's windows) are not it
-    loop = _opcodes(_page_loop(sass.splitlines()))
+    # the paged kernels' first loop is the one over paged slots: its body is what one page costs a warp (the rest
+    # kernel's, with --rest-blocks > 1, is its loop over blocks; with one block it has none)
+    loop = _opcodes((_loop_bodies(sass.splitlines()) or [[]])[0])
     row["loop instructions"] = sum(loop.values())
     row.update({f"loop {name}": sum(loop[op] for op in ops) for name, ops in CLASSES.items()})
     row["loop integer matrix"] = loop["IMMA"]          # of "loop matrix": the 8-bit products (gluon-tma-i8k / i8)
@@ -202,25 +201,16 @@ def _opcodes(lines: list[str]) -> collections.Counter:
     return collections.Counter(m.group(1) for m in map(INSTRUCTION.match, lines) if m)
 
 
-def _loop_bodies(lines: list[str]) -> list[tuple[int, int]]:
-    """The SASS line ranges [first, last] from each label to a later branch back to it (nvdisasm's `.L_x_N:`
-    labels), in the order their branches appear."""
+def _loop_bodies(lines: list[str]) -> list[list[str]]:
+    """The SASS lines from each label to a later branch back to it (nvdisasm's `.L_x_N:` labels), in the order
+    their branches appear."""
     labels = {m.group(1): i for i, m in enumerate(re.match(r"\s*\.L_x_(\d+):", line) for line in lines) if m}
     bodies = []
     for i, line in enumerate(lines):
         target = re.search(r"BRA.*`\(\.L_x_(\d+)\)", line)
         if target and labels.get(target.group(1), i) < i:
-            bodies.append((labels[target.group(1)], i))
+            bodies.append(lines[labels[target.group(1)]:i + 1])
     return bodies
-
-
-def _page_loop(lines: list[str]) -> list[str]:
-    """The last innermost loop (one that holds no other) whose body has matrix products: its SASS lines, or none."""
-    bodies = _loop_bodies(lines)
-    innermost = [(a, b) for a, b in bodies if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in bodies)]
-    with_products = [(a, b) for a, b in innermost
-                     if any(op in ("HMMA", "IMMA") for op in _opcodes(lines[a:b + 1]))]
-    return lines[with_products[-1][0]:with_products[-1][1] + 1] if with_products else []
 
 
 def _kernel_name(kernel: str) -> str:

@@ -26,7 +26,7 @@ from kernels.decode_attention import (FOLDED_KERNEL, GLUON_KERNELS, GLUON_MAXNRE
                                       MAGIC, DecodeWorkspace, balanced_splits, check_kernel, decode_attention,
                                       decode_attention_ref, decode_launches, default_splits, field_weights, folds_max,
                                       gather_kv, gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
-                                      multiprocessors, rest_in_paged, split_count, unpack_asm)
+                                      multiprocessors, split_count, unpack_asm)
 from kernels.decode_rest import (REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_maxnreg, rest_parts,
                                  rest_warps)
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
@@ -313,10 +313,9 @@ GLUON_CASES = [
 
 
 # The Gluon kernels the GPU tests run: each base kernel, and each with the experiments it takes
-# (decode_attention.GLUON_EXPERIMENTS; fold-max only with zq-ahead, and not on the 8-bit key products; rest on the
-# fp16 products' kernels: with TMA copies the one "auto" takes for long launches, and the cp.async copies)
+# (decode_attention.GLUON_EXPERIMENTS; fold-max only with zq-ahead, and not on the 8-bit key products)
 GLUON_TESTED = (*GLUON_KERNELS, "gluon-tma+zq-ahead", "gluon-tma+zq-ahead+fold-max", "gluon+zq-ahead+fold-max",
-                "gluon-tma-i8k+zq-ahead", "gluon-tma-i8+zq-ahead", "gluon-tma+zq-ahead+fold-max+rest", "gluon+rest")
+                "gluon-tma-i8k+zq-ahead", "gluon-tma-i8+zq-ahead")
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
@@ -350,8 +349,7 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
         return
     for splits, maxnreg in ((1, 255), (3, 168), (None, None)):          # None: the defaults
         workspace = DecodeWorkspace()
-        poisoned = workspace.get(q, (splits or split_count(q, kv, kernel, GLUON_MAXNREG))
-                                 + (0 if rest_in_paged(kernel) else rest_parts(kv)))
+        poisoned = workspace.get(q, (splits or split_count(q, kv, kernel, GLUON_MAXNREG)) + rest_parts(kv))
         for buffer in poisoned:
             buffer.fill_(float("nan"))
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel=kernel, maxnreg=maxnreg,
@@ -362,50 +360,6 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
         triton_out = decode_attention(q, kv, d ** -0.5, num_splits=splits, kernel="triton")
         assert rel_err(out, ref) <= max(1.25 * rel_err(triton_out, ref), tol / 4), \
             f"splits={splits}: {rel_err(out, ref):.2e} from the reference, Triton {rel_err(triton_out, ref):.2e}"
-
-
-def poison_unused_rows(kv):
-    """NaN in every row of kv's 16-bit buffers that holds no token (past a short sink, past the key buffer or the
-    value tail): a kernel that reads one and weighs it 0 still gives NaN (0 * NaN)."""
-    for fp, pages in ((kv.k_fp, kv.n_kpages), (kv.v_fp, kv.n_vpages)):
-        rows = torch.arange(fp.shape[2], device=fp.device)
-        for b, (length, n) in enumerate(zip(kv.seq_len.tolist(), pages.tolist())):
-            sink = min(length, kv.sink)
-            tail = max(0, length - kv.sink - n * kv.page_size)
-            used = (rows < sink) | ((rows >= kv.sink) & (rows < kv.sink + tail))
-            fp[b, :, ~used] = float("nan")
-
-
-@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
-@pytest.mark.parametrize("kernel", ["gluon-tma+zq-ahead+fold-max+rest", "gluon+rest"])
-def test_rest_in_paged_kernel_takes_every_remaining_token(kernel):
-    """The "rest" experiment (the last paged program of a sequence takes its remaining tokens, no launch of
-    decode_rest.py) against the reference where the GLUON_CASES do not reach: two key pages without values
-    a sequence (a value window of 2 pages of 64, or of 256 tokens with pages of 128), sequences shorter than the sink
-    and of one token beside long ones, sinks of 0 and 32, and NaN in every buffer row that holds no token.
-    The same bar as test_gluon_decode_attention_matches_reference's; one split, 3, and the default."""
-    from kernels import decode_gluon
-    if decode_gluon.kernel_options(kernel)["use_tma"] and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("decode_gluon.supports_tma takes Hopper GPUs only (the only kind the TMA copies ran on)")
-    cases = [([1000, 70, 33, 200, 1], 2, 128, 4, 32, 64, 128, 16, torch.bfloat16),
-             ([2100, 2, 300, 129], 2, 128, 8, 32, 128, 256, 32, torch.float16),
-             ([900, 450], 3, 64, 3, 0, 64, 128, 0, torch.bfloat16)]
-    for lengths, h, d, group, sink, page, window, nb, dtype in cases:
-        kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window,
-                                   n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
-        assert (kv.n_kpages - kv.n_vpages).max().item() >= 2       # sequences with 2 key pages without values
-        poison_unused_rows(kv)
-        q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
-        assert decode_gluon.supports_kernel(kernel, q, kv)
-        ref = decode_attention_ref(q, kv, d ** -0.5)
-        tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-        for splits in (1, 3, None):
-            workspace = DecodeWorkspace()
-            launches = decode_launches(q, kv, d ** -0.5, num_splits=splits, kernel=kernel, workspace=workspace)
-            assert launches.remaining is None
-            out = launches()
-            assert torch.isfinite(out).all(), (lengths, splits)
-            assert rel_err(out, ref) < tol, f"{lengths} splits={splits}: {rel_err(out, ref):.2e}"
 
 
 def test_gluon_kernels_compile_for_every_gpu_test_shape():
@@ -446,9 +400,9 @@ def test_gluon_kernels_compile_for_every_gpu_test_shape():
     assert run.returncode == 0, run.stderr[-3000:]
     built, failed = run.stdout.split(" ", 1)
     assert failed.strip() == "[]", failed
-    # 11 kernels on 10 shapes less the 8-bit ones' declined shapes (4 each for the 2 i8k names, 6 each for the 2 i8
-    # names): 90 since session 39 (70 since session 35)
-    assert int(built) == taken >= 90, (built, taken)
+    # 9 kernels on 10 shapes less the 8-bit ones' declined shapes (4 each for the 2 i8k names, 6 each for the 2 i8
+    # names): 70 since session 35
+    assert int(built) == taken >= 70, (built, taken)
 
 
 def check_i8_kernel(q, kv, kernel, ref, tol):
@@ -661,25 +615,21 @@ def test_kernel_names_add_experiments_and_bad_names_are_refused():
     """decode_attention's kernel names: a name of KERNELS, or a Gluon kernel with experiments "+name" each, in any
     order (the same options); each refusal is a ValueError that names the choices: an unknown base or experiment,
     experiments on a kernel that is not a Gluon kernel, one twice, fold-max without zq-ahead or with the 8-bit key
-    products, rest on the 8-bit products, a name that is not a string. decode_attention refuses them before it
-    launches anything."""
+    products, a name that is not a string. decode_attention refuses them before it launches anything."""
     from kernels.decode_gluon import kernel_options
     assert kernel_parts("gluon-tma+fold-max+zq-ahead") == ("gluon-tma", ("fold-max", "zq-ahead"))
     assert kernel_options("gluon-tma+fold-max+zq-ahead") == kernel_options("gluon-tma+zq-ahead+fold-max") == dict(
-        use_tma=True, i8=0, zq_ahead=True, fold_max=True, rest=False)
-    assert kernel_options("gluon") == dict(use_tma=False, i8=0, zq_ahead=False, fold_max=False, rest=False)
+        use_tma=True, i8=0, zq_ahead=True, fold_max=True)
+    assert kernel_options("gluon") == dict(use_tma=False, i8=0, zq_ahead=False, fold_max=False)
     assert kernel_options("gluon-tma-i8+zq-ahead")["i8"] == 2 and is_gluon("gluon-tma-i8+zq-ahead")
     assert not is_gluon("triton") and not is_gluon("auto")
-    assert kernel_options("gluon+rest")["rest"] and rest_in_paged("gluon-tma+rest+zq-ahead")
-    assert not rest_in_paged("gluon-tma+zq-ahead") and not rest_in_paged("triton")
     for name in KERNELS:
         assert check_kernel(name) == name
     kv, _, _ = random_paged_kv([40], heads=1, head_dim=64, sink=4, page_size=16, window=16, dtype=torch.float32,
                                seed=1, device=DEVICE)
     q = torch.randn(1, 2, 64, device=DEVICE)
     for bad in ("cuda", "triton+zq-ahead", "auto+zq-ahead", "gluon-tma+zq", "gluon-tma+", "gluon-tma+zero-heads",
-                "gluon+zq-ahead+zq-ahead", "gluon-tma+fold-max", "gluon-tma-i8k+zq-ahead+fold-max", "gluon-tma-i8+rest",
-                "gluon-tma+rest+rest", None):
+                "gluon+zq-ahead+zq-ahead", "gluon-tma+fold-max", "gluon-tma-i8k+zq-ahead+fold-max", None):
         with pytest.raises(ValueError, match="decode kernel"):
             check_kernel(bad)
         if isinstance(bad, str):
@@ -694,24 +644,20 @@ def test_experiments_compile_with_the_products_they_say():
       a page, and the zeros' vector copy (a box); outside the page loop, a window's ZQ_SLOTS / 16 product chains of
       128 / 16 products each; its shared memory is what shared_bytes plans;
     - fold-max (with zq-ahead) takes 20 or more instructions a page off that: the 32 FADD of score less max, against
-      8 FMUL for the 4 quarters' weighted maxima, and no more shuffles;
-    - rest (with both) adds at most 4 instructions to that page loop (triton 3.6, the GPU's compiler: 1 fewer for
-      kitty-pro, 2 more for kivi-k2v2), with the same products, and its remaining tokens' buffers take no more
-      shared memory (they come before the value buffers, in their place: shared_bytes).
+      8 FMUL for the 4 quarters' weighted maxima, and no more shuffles.
     No page loop spills."""
     code = textwrap.dedent("""
         import torch
         from kernels.decode_gluon import shared_bytes
         from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
-        kernels = {"default": {}, "zq-ahead": dict(zq_ahead=True), "fold-max": dict(zq_ahead=True, fold_max=True),
-                   "rest": dict(zq_ahead=True, fold_max=True, rest=True)}
+        kernels = {"default": {}, "zq-ahead": dict(zq_ahead=True), "fold-max": dict(zq_ahead=True, fold_max=True)}
         for method in ("kitty-pro", "kivi-k2v2"):
             for name, options in kernels.items():
                 compiled = compile_gluon_kernel(method, torch.bfloat16, 4, maxnreg=168, use_tma=True, **options)
                 row = profile(compiled)
                 opcodes = row["loop opcodes"]
                 planned = shared_bytes(example_paged_kv(method, 8, 128, torch.bfloat16), 128, use_tma=True,
-                                       zq_ahead=options.get("zq_ahead", False), rest=options.get("rest", False))
+                                       zq_ahead=options.get("zq_ahead", False))
                 print(method, name, row["loop instructions"], row["loop matrix"], row["loop local ld/st"],
                       *(opcodes.get(op, 0) for op in ("HMUL2", "FADD", "SHFL", "UTMALDG")), row["matrix"],
                       row["shared bytes"], planned)
@@ -725,14 +671,12 @@ def test_experiments_compile_with_the_products_they_say():
     window = 64 // 16 * (128 // 16)                         # decode_gluon.ZQ_SLOTS: its products outside the loop
     assert all(row["spills"] == 0 and row["shared"] == row["planned"] for row in rows.values()), run.stdout
     for method in ("kitty-pro", "kivi-k2v2"):
-        default, ahead, fold, rest = (rows[method, name] for name in ("default", "zq-ahead", "fold-max", "rest"))
+        default, ahead, fold = (rows[method, name] for name in ("default", "zq-ahead", "fold-max"))
         assert default["all matrix"] == default["matrix"], run.stdout
         assert ahead["matrix"] == default["matrix"] - 8 and ahead["HMUL2"] == default["HMUL2"] - 16, run.stdout
         assert ahead["all matrix"] == ahead["matrix"] + window and ahead["boxes"] == default["boxes"] - 1, run.stdout
         assert fold["matrix"] == ahead["matrix"] and fold["FADD"] <= ahead["FADD"] - 24, run.stdout
         assert fold["instructions"] <= ahead["instructions"] - 16 and fold["SHFL"] == ahead["SHFL"], run.stdout
-        assert rest["instructions"] <= fold["instructions"] + 4 and rest["matrix"] == fold["matrix"], run.stdout
-        assert rest["shared"] == fold["shared"], run.stdout
 
 
 def run_ptx(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
@@ -1095,9 +1039,10 @@ def test_gluon_register_cap_follows_the_programs_a_multiprocessor():
 @pytest.mark.parametrize("method", ["kitty-pro", "kitty", "kivi-k2v2"])
 def test_auto_folds_the_max_only_where_programs_walk_many_pages(method):
     """decode_attention's "auto" on Hopper takes FOLDED_KERNEL (zq-ahead and fold-max) where the plain kernel's
-    programs would walk FOLD_PAGES pages or more (folds_max): on the H200 it was faster at batch 64 / 32K, 86 pages a
-    program at Qwen3-8B's shapes on 132 multiprocessors, and not at 1 / 32K, 2 (BENCHMARKS.md section 1, session
-    38). The shapes between were not measured there and keep the plain kernel; a batch of 128 walks more pages."""
+    programs would walk FOLD_PAGES pages or more (folds_max): on the H200 it was faster at 64 / 32K, 32 / 32K, 64 /
+    16K and 32 / 16K, 86, 43, 43 and 32 pages a program at Qwen3-8B's shapes on 132 multiprocessors (BENCHMARKS.md
+    section 1, session 39), and not at 1 / 32K, 2 (session 38). 16 / 32K walks 32 too; the shapes of 16 pages a
+    program (8 / 32K, 64 / 4K) were not measured and keep the plain kernel; a batch of 128 walks more pages."""
     import dataclasses
 
     from kernels.sass_profile import example_paged_kv
@@ -1107,9 +1052,10 @@ def test_auto_folds_the_max_only_where_programs_walk_many_pages(method):
         tables = torch.zeros(batch, tokens // 128, dtype=torch.int32)
         return folds_max(torch.zeros(batch, 32, 128, dtype=torch.bfloat16),
                          dataclasses.replace(kv, k_table=tables, v_table=tables), 132)
-    shapes = [(1, 4096), (8, 4096), (64, 4096), (1, 32768), (8, 32768), (16, 32768), (32, 32768), (64, 16384),
-              (64, 32768), (128, 32768)]
-    assert [s for s in shapes if folds(*s)] == [(64, 32768), (128, 32768)]
+    shapes = [(1, 4096), (8, 4096), (64, 4096), (1, 32768), (8, 32768), (16, 32768), (32, 32768), (32, 16384),
+              (64, 16384), (64, 32768), (128, 32768)]
+    assert [s for s in shapes if folds(*s)] == [(16, 32768), (32, 32768), (32, 16384), (64, 16384), (64, 32768),
+                                                (128, 32768)]
     assert check_kernel(FOLDED_KERNEL) and kernel_parts(FOLDED_KERNEL) == ("gluon-tma", ("zq-ahead", "fold-max"))
 
 
