@@ -558,6 +558,7 @@ class DecodeWorkspace:
 
     def __init__(self):
         self.buffers: tuple[torch.Tensor, ...] = ()
+        self.rows: torch.Tensor | None = None
         self.descriptor_key: tuple | None = None
         self.descriptors: tuple = ()
 
@@ -570,6 +571,15 @@ class DecodeWorkspace:
             part_m = torch.empty((bsz, hq, num_parts), dtype=torch.float32, device=q.device)
             self.buffers = (part_o, part_m, torch.empty_like(part_m), torch.empty_like(q))
         return self.buffers
+
+    def query_rows(self, q: torch.Tensor, kv: PagedKV) -> torch.Tensor:
+        """The Gluon kernel's transposed queries (its "q-rows" experiment: decode_gluon.query_rows_shape, fp16),
+        kept like the partials."""
+        from . import decode_gluon
+        shape = decode_gluon.query_rows_shape(q, kv)
+        if self.rows is None or self.rows.shape != shape or self.rows.device != q.device:
+            self.rows = torch.empty(shape, dtype=torch.float16, device=q.device)
+        return self.rows
 
     def tma_descriptors(self, kv: PagedKV, head_dim: int) -> tuple:
         """decode_gluon.tma_descriptors(kv, head_dim), made again only when a page tensor has moved or changed
@@ -634,7 +644,9 @@ GLUON_MAXNREG_FEW = 192
 # - "zq-ahead": the keys' zero term sum_d q_d * zero_d of 16 pages a product, ZQ_SLOTS slots ahead, with the pages'
 #   zeros as the first operand's rows, instead of 8 products with ones a page (decode_gluon's ZQ_AHEAD);
 # - "fold-max": the scores' quarter weights and zero term applied in the exponent's multiply-add, after the page's
-#   maximum is taken from the unweighted sums (decode_gluon's FOLD_MAX: 32 fewer FADD a page, fp16 key products).
+#   maximum is taken from the unweighted sums (decode_gluon's FOLD_MAX: 32 fewer FADD a page, fp16 key products);
+# - "q-rows": the boosted channels' queries read from a transposed copy that each program writes first, a channel's
+#   8 heads in one 16-byte load (decode_gluon's Q_ROWS, fp16 key products; DecodeWorkspace.query_rows).
 # Measured on an H100 (BENCHMARKS.md section 1, session 35): no faster at batch 64 (kitty-pro 483.7 and 483.4 against
 # 483.8 us a call at 64 / 32K, the arithmetic alone 323.6 and 321.7 against 319.4), 0.3-0.7 us slower at batches 1
 # and 8. On the H200, whose power cap is what they were written for (session 38, one run): both together 391.5
@@ -642,7 +654,7 @@ GLUON_MAXNREG_FEW = 192
 # 1 / 32K equal for kitty-pro (13.0) and 0.5 us slower for kivi-k2v2 (11.9 against 11.4); zq-ahead alone 1.0 slower
 # for kitty-pro at 64 / 32K. So "auto" takes both where a program walks many pages (folds_max).
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
-GLUON_EXPERIMENTS = ("zq-ahead", "fold-max")
+GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows")
 FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
 # Pages a program from which "auto" takes FOLDED_KERNEL: on the H200 faster for kitty-pro, kitty and kivi-k2v2 at 86,
 # 43 and 32 (Qwen3-8B's batch 64 / 32K; 32 / 32K and 64 / 16K; 32 / 16K: by 7.5-6.9, 4.5-1.7, 3.5-1.0 and 1.0-0.7 us
@@ -655,8 +667,9 @@ FOLD_PAGES = 32
 def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
     """decode_attention's `kernel` -> (its base, the experiments its name adds): ("gluon-tma", ("zq-ahead",)) for
     "gluon-tma+zq-ahead". ValueError for a name decode_attention does not take: a base outside KERNELS,
-    experiments on a kernel that is not a Gluon kernel, an unknown or repeated experiment, or "fold-max" without
-    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms)."""
+    experiments on a kernel that is not a Gluon kernel, an unknown or repeated experiment, "fold-max" without
+    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms), or
+    "q-rows" on the 8-bit key products."""
     base, *extras = kernel.split("+")
     if base not in KERNELS or (extras and base not in GLUON_KERNELS):
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}, a Gluon kernel "
@@ -668,6 +681,8 @@ def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
     if "fold-max" in extras and (base.endswith(("i8k", "i8")) or "zq-ahead" not in extras):
         raise ValueError(f"decode kernel {kernel!r}: fold-max folds the fp16 key products' weights and the zero "
                          "terms of zq-ahead into the exponent: it takes a kernel with both")
+    if "q-rows" in extras and base.endswith(("i8k", "i8")):
+        raise ValueError(f"decode kernel {kernel!r}: q-rows builds the fp16 key products' boosted operand")
     return base, tuple(extras)
 
 
@@ -835,9 +850,11 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         options = decode_gluon.kernel_options(kernel)
         descriptors = workspace.tma_descriptors(kv, d) if options["use_tma"] else None
 
+        query_rows = workspace.query_rows(q, kv) if options["q_rows"] else None
+
         def paged():
             decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, descriptors=descriptors, pdl=pdl,
-                                times=times[0] if times else None, **options)
+                                times=times[0] if times else None, query_rows=query_rows, **options)
     elif times:
         raise ValueError(f"times: the paged launch's programs write them in a Gluon kernel, not in {kernel!r}")
     else:

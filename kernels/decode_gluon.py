@@ -244,14 +244,15 @@ def _chunk(K):
 
 @gluon.jit
 def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr, G: gl.constexpr,
-                NB: gl.constexpr, live=None, zq_row=None, FOLD: gl.constexpr = False):
+                NB: gl.constexpr, live=None, zq_row=None, FOLD: gl.constexpr = False, QT: gl.constexpr = False):
     """Scores (log2 units) of the 4 token quarters of key page `kpage` from its buffers, (G/4 tokens, HEADS)
     accumulator tiles. q_s: the group's queries times Q_SCALE in shared memory, fp16 (D/KC, KC, HEADS), taken times
     qk_scale / Q_SCALE in the fp32 sums; q_rows: (1, HEADS) pointers to the query rows, for the boosted channels'
     gather (_queries); live: None, or _live_heads, which the gathered queries are multiplied by; zq_row: None, or
     the page's zero term per head in log2 units (ZQ_AHEAD: _zero_terms), which then takes the place of the
     products with ones and of the page's zeros. FOLD (FOLD_MAX, with zq_row): the 4 quarters' sums as they are,
-    without their weights and zero term (_value_products applies them)."""
+    without their weights and zero term (_value_products applies them). QT (Q_ROWS): q_rows is the program's
+    transposed queries (_query_rows), which the boosted channels' operand reads instead (_boosted_rows)."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -259,7 +260,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
     klow_s, khigh_s, ch_s, kscale_s, kzero_s = kbufs
     if NB > 0 and NB <= 32:
         # one chunk of boosted channels: its gathers first, so that their latency is spent on the low plane
-        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, kscale_ptr, D, NB, live)
+        b_nb = _boosted_operand(ch_s, 0, kpage, q_rows, kscale_ptr, D, NB, live, QT)
     s0 = gl.zeros([G4, HEADS], gl.float32, mma)
     s1 = gl.zeros([G4, HEADS], gl.float32, mma)
     s2 = gl.zeros([G4, HEADS], gl.float32, mma)
@@ -279,7 +280,7 @@ def _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_ptr, D: gl.constexpr
         NBC: gl.constexpr = _chunk(NB)
         for c in gl.static_range(NB // NBC):
             if NB > 32:
-                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D, NBC, live)
+                b_nb = _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D, NBC, live, QT)
             s0, s1, s2, s3 = _tile_products(khigh_s.slice(c * G4, G4).load(_rows_layout(NBC)), b_nb, s0, s1, s2, s3,
                                             G4, NBC)
     s3 = _quarter3_sums(s0, s1, s2, s3)
@@ -511,9 +512,41 @@ def _boosted_fp16(ch_s, kpage, q_rows, kscale_ptr, D: gl.constexpr, NB: gl.const
 
 
 @gluon.jit
-def _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr, live=None):
-    """The second operand of boosted-channel chunk c (_boosted_fp16 of its NBC channels, in the operand's layout)."""
-    return _b_operand(_boosted_fp16(ch_s.slice(c * NBC, NBC), kpage, q_rows, kscale_ptr, D, NBC, live), NBC)
+def _boosted_rows(ch_s, kpage, qt, kscale_ptr, D: gl.constexpr, NB: gl.constexpr):
+    """Q_ROWS: _boosted_fp16 from the program's transposed queries qt (_query_rows: D rows of HEADS fp16, the queries
+    times 4 * Q_SCALE, zero in the padding columns): a boosted channel a lane, its row in one 16-byte load and its
+    scale in one, times each other in fp16, then the layout _boosted_fp16 gives. Against _boosted_fp16's loads of
+    NB * HEADS / 32 queries and as many scales a lane, with their 64-bit addresses and conversions."""
+    lay: gl.constexpr = gl.BlockedLayout([1, HEADS], [32, 1], [1, 1], [1, 0])
+    ch = ch_s.load(gl.SliceLayout(1, lay)).to(gl.int32)
+    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay))
+    rows = gl.load(qt + ch[:, None] * HEADS + heads[None, :])
+    return gl.convert_layout(_mul2(rows, gl.load(kscale_ptr + kpage * D + ch)[:, None]), _cols_layout(NB))
+
+
+@gluon.jit
+def _query_rows(qt, q_ptr, b, h, H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr):
+    """Q_ROWS: the group's queries times 4 * Q_SCALE as D rows of HEADS fp16 at qt (zeros in the tile's columns past
+    the group), which _boosted_rows reads a channel's row at a time. Every program of a (sequence, KV head) writes
+    the same bytes there."""
+    lay: gl.constexpr = gl.BlockedLayout([1, HEADS], [32, 1], [1, 1], [1, 0])
+    d = gl.arange(0, D, layout=gl.SliceLayout(1, lay))
+    heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, lay))
+    rows = q_ptr + ((b * H + h) * GROUP + gl.minimum(heads, GROUP - 1)[None, :]).to(gl.int64) * D + d[:, None]
+    live = gl.where(heads < GROUP, 4.0 * Q_SCALE, 0.0)[None, :]
+    gl.store(qt + d[:, None] * HEADS + heads[None, :], (gl.load(rows).to(gl.float32) * live).to(DOT))
+
+
+@gluon.jit
+def _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D: gl.constexpr, NBC: gl.constexpr, live=None,
+                     QT: gl.constexpr = False):
+    """The second operand of boosted-channel chunk c (_boosted_fp16 of its NBC channels, in the operand's layout;
+    with QT, _boosted_rows from the transposed queries at q_rows)."""
+    if QT:
+        x = _boosted_rows(ch_s.slice(c * NBC, NBC), kpage, q_rows, kscale_ptr, D, NBC)
+    else:
+        x = _boosted_fp16(ch_s.slice(c * NBC, NBC), kpage, q_rows, kscale_ptr, D, NBC, live)
+    return _b_operand(x, NBC)
 
 
 @gluon.jit
@@ -930,9 +963,11 @@ PAD_HEAD_MAX = gl.constexpr(1.0e30)
 def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s, q_rows, qk_scale, kscale_rows,
           live, zq_row, pad_zero, pipeline, state, H: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
           NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr, FOLD: gl.constexpr,
-          COMPUTE: gl.constexpr, COPIES: gl.constexpr, WAITS: gl.constexpr, PAD: gl.constexpr, PAD_N: gl.constexpr):
+          COMPUTE: gl.constexpr, COPIES: gl.constexpr, WAITS: gl.constexpr, PAD: gl.constexpr, PAD_N: gl.constexpr,
+          QT: gl.constexpr = False):
     """Paged slot `slot` of _gluon_paged_kernel's loop (its arguments; keys / values: the page tensors' pointers or
-    descriptors; zq_row: the slot's keys' zero terms, ZQ_AHEAD, or None): wait for its keys, their scores, refill the
+    descriptors; zq_row: the slot's keys' zero terms, ZQ_AHEAD, or None; QT: q_rows is the transposed queries,
+    Q_ROWS): wait for its keys, their scores, refill the
     key buffer with the next slot's, wait for its values, the softmax and value products, refill the value buffer.
     pipeline: (phase, this slot's key page, the next slot's key and value pages, key and value waits), state: (running
     max, the sums of p and of p * zero, the 4 accumulators); returns both after the slot."""
@@ -952,7 +987,8 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
     elif I8 > 0:
         s0, s1, s2, s3 = _key_scores_i8(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, zq_row)
     else:
-        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, live, zq_row, FOLD)
+        s0, s1, s2, s3 = _key_scores(kbufs, kpage, q_s, q_rows, qk_scale, kscale_rows, D, G, NB, live, zq_row, FOLD,
+                                     QT)
         if PAD_N > 0:
             s0 = _pad(s0, pad_zero, PAD, PAD_N)
     _BARRIER()                                      # every lane's key reads are done: refill the key buffer
@@ -985,12 +1021,12 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
 def _gluon_paged_kernel(
         q_ptr, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
         vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kscale_rows, kzero_rows,
-        ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr,
+        ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, qt_ptr,
         po_ptr, pm_ptr, pl_ptr,
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZQ_AHEAD: gl.constexpr = False,
-        FOLD_MAX: gl.constexpr = False, PDL: gl.constexpr = False,
+        FOLD_MAX: gl.constexpr = False, Q_ROWS: gl.constexpr = False, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
         PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
@@ -1000,7 +1036,9 @@ def _gluon_paged_kernel(
     columns past the group get zero operands (_live_heads). Experiments (decode_attention.GLUON_EXPERIMENTS):
     ZQ_AHEAD, the keys' zero terms a window of ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the loop
     over slots (_slot) nested in a loop over windows; FOLD_MAX (with ZQ_AHEAD), the scores' weights and zero term in
-    the exponent (_folded_max). PDL: the remaining blocks' kernel after it may start at once (decode_launches' pdl).
+    the exponent (_folded_max); Q_ROWS, the boosted channels' queries read from the program's transposed copy at
+    qt_ptr (D * HEADS fp16 a (sequence, KV head), _query_rows, _boosted_rows). PDL: the remaining blocks' kernel after
+    it may start at once (decode_launches' pdl).
     Two measurements that are not attention (`python -m backend.bench tune --vary loads`): COMPUTE=False, the page
     loop's copies, waits and barriers only (the memory pipeline's own ceiling); COPIES=False, its products and
     barriers only, over the first slot's pages again and again (the arithmetic's own time). times_ptr (a
@@ -1042,6 +1080,11 @@ def _gluon_paged_kernel(
     if GROUP < HEADS:
         live = _live_heads(GROUP, _cols_layout(KC))
     q_rows, q_s = _queries(q_ptr, b, h, H, GROUP, D, _cols_layout(KC), _queries_shared(), live)
+    QT: gl.constexpr = Q_ROWS and NB > 0 and I8 == 0                # decode_attention.kernel_parts: fp16 products
+    if QT:
+        q_rows = qt_ptr + (b * H + h).to(gl.int64) * (D * HEADS)
+        _query_rows(q_rows, q_ptr, b, h, H, GROUP, D)
+        _BARRIER()                                  # every lane's rows are written (and visible) before any reads
     # the padding heads' running max starts above any score: their probabilities are 0 on every page (and their
     # running sums stay 0: alpha is 2^0), so the value products' second operands are zero there too
     m_i = gl.where(heads < GROUP, float("-inf"), PAD_HEAD_MAX)
@@ -1069,12 +1112,12 @@ def _gluon_paged_kernel(
                 pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
                                         q_rows, qk_scale, kscale_rows, live, _zero_term(zq_s, slot - first),
                                         pad_zero, pipeline, state, H, D, G, NB, V_BITS, TMA, I8, FOLD, COMPUTE,
-                                        COPIES, WAITS, PAD, PAD_N)
+                                        COPIES, WAITS, PAD, PAD_N, QT)
     else:
         for slot in range(start, end):
             pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
                                     q_rows, qk_scale, kscale_rows, live, None, pad_zero, pipeline, state, H, D, G, NB,
-                                    V_BITS, TMA, I8, FOLD, COMPUTE, COPIES, WAITS, PAD, PAD_N)
+                                    V_BITS, TMA, I8, FOLD, COMPUTE, COPIES, WAITS, PAD, PAD_N, QT)
     key_wait, value_wait = pipeline[4], pipeline[5]
     m_i, sums, acc0, acc1, acc2, acc3 = state
     if not TMA:
@@ -1224,21 +1267,30 @@ def page_tensors(kv: PagedKV) -> tuple:
 
 def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int,
                      use_tma: bool = False, descriptors: tuple | None = None, i8: int = 0,
-                     **experiments: bool) -> tuple[tuple, dict]:
+                     query_rows: torch.Tensor | None = None, **experiments: bool) -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _gluon_paged_kernel: programs (b, h, part < num_splits) of
     decode_attention's split, q (B, HQ, D), qk_scale = sm_scale * log2(e), parts the (output, max, sum) partials,
     use_tma the TMA copies (with `descriptors`, kv's tma_descriptors made earlier; else made here), i8 the kernel's
-    I8, experiments its experiments' flags by kernel_options' names (zq_ahead: ZQ_AHEAD, ...). Also used to
-    compile the kernel for a profile (kernels.sass_profile)."""
+    I8, experiments its experiments' flags by kernel_options' names (zq_ahead: ZQ_AHEAD, ...), query_rows the
+    transposed queries' workspace that Q_ROWS writes and reads (query_rows_shape; without it, q stands in, unread).
+    Also used to compile the kernel for a profile (kernels.sass_profile)."""
     part_o, part_m, part_l = parts
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
     pages = (descriptors or tma_descriptors(kv, d)) if use_tma else page_tensors(kv)
-    args = (q, *pages, kv.k_scale, kv.k_zero, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages, part_o, part_m,
-            part_l, qk_scale, kv.k_table.shape[1], kv.v_table.shape[1], num_splits, part_m.shape[2])
+    if experiments.get("q_rows") and query_rows is None:
+        query_rows = torch.empty(query_rows_shape(q, kv), dtype=torch.float16, device=q.device)
+    args = (q, *pages, kv.k_scale, kv.k_zero, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages,
+            q if query_rows is None else query_rows, part_o, part_m, part_l, qk_scale, kv.k_table.shape[1],
+            kv.v_table.shape[1], num_splits, part_m.shape[2])
     constants = dict(H=h, GROUP=hq // h, D=d, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, TMA=use_tma,
                      I8=i8, **{name.upper(): on for name, on in experiments.items()})
     return args, constants
+
+
+def query_rows_shape(q: torch.Tensor, kv: PagedKV) -> tuple[int, ...]:
+    """The transposed queries' workspace of Q_ROWS ("q-rows"): (sequences, KV heads, head_dim, HEADS_PER_TILE)."""
+    return (q.shape[0], kv.k_fp.shape[1], q.shape[-1], HEADS_PER_TILE)
 
 
 def supports_tma(q: torch.Tensor, kv: PagedKV) -> bool:
@@ -1255,7 +1307,7 @@ I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2
 
 def kernel_options(kernel: str) -> dict:
     """decode_attention's Gluon `kernel`, with the experiments its name adds (decode_attention.kernel_parts) ->
-    launch's (and kernel_arguments') options that make it: use_tma, i8, zq_ahead, fold_max."""
+    launch's (and kernel_arguments') options that make it: use_tma, i8, zq_ahead, fold_max, q_rows."""
     from .decode_attention import GLUON_EXPERIMENTS, kernel_parts
     base, extras = kernel_parts(kernel)
     return dict(use_tma=base != "gluon", i8=I8_PRODUCTS[base],
@@ -1272,14 +1324,16 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
            compute: bool = True, copies: bool = True, times: torch.Tensor | None = None, waits: bool = False,
-           pad: tuple[str, int] | None = None, **experiments: bool) -> None:
+           pad: tuple[str, int] | None = None, query_rows: torch.Tensor | None = None, **experiments: bool) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only);
-    experiments: the experiments' flags (kernel_options: zq_ahead, fold_max).
+    experiments: the experiments' flags (kernel_options: zq_ahead, fold_max, q_rows; query_rows: q_rows' workspace,
+    query_rows_shape, allocated here if not given).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
     TIMES_ROW a program), each program's start, end and multiprocessor, and with waits its cycles waiting for keys
     and for values and in all (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N."""
-    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, **experiments)
+    args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, query_rows,
+                                       **experiments)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, WAITS=waits,
         **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,
