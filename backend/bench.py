@@ -62,9 +62,9 @@ import triton.testing
 
 # on a CPU: Triton interpreted
 from kernels.decode_attention import (FOLDED_KERNEL, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
-                                      DecodeWorkspace, check_kernel, choose_kernel, decode_attention, decode_launches,
-                                      default_splits, gluon_maxnreg, is_gluon, multiprocessors, resident_programs,
-                                      split_count)
+                                      ROWS_KERNEL, DecodeWorkspace, check_kernel, choose_kernel, decode_attention,
+                                      decode_launches, default_splits, gluon_maxnreg, is_gluon, multiprocessors,
+                                      resident_programs, split_count)
 from kernels.decode_rest import TIMES_ROW, rest_blocks, rest_parts
 from kernels.layout import key_page_bytes, value_page_bytes
 
@@ -385,9 +385,10 @@ def bench_tune(args) -> dict:
                   # the Gluon kernel's experiments (decode_attention.GLUON_EXPERIMENTS) against the plain kernel,
                   # each whole, its paged launch alone and its arithmetic alone, with the GPU's clock and power: the
                   # keys' zero terms 16 pages a product, and with the exponent's multiply-add folding the scores'
-                  # weights (FOLDED_KERNEL, what "auto" takes for launches of many pages a program)
+                  # weights (FOLDED_KERNEL, what "auto" takes for launches of many pages a program), and with the
+                  # boosted channels' queries from a transposed copy (ROWS_KERNEL, kitty-pro's longest launches)
                   "experiments": [{**gluon(cap, kernel=k), "loads": half} for k in (
-                      "gluon-tma", "gluon-tma+zq-ahead", FOLDED_KERNEL)
+                      "gluon-tma", "gluon-tma+zq-ahead", FOLDED_KERNEL, ROWS_KERNEL)
                       for half in (None, "whole", "arithmetic")]}
         settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
         settings = [s for i, s in enumerate(settings) if s not in settings[:i]

@@ -652,10 +652,17 @@ GLUON_MAXNREG_FEW = 192
 # and 8. On the H200, whose power cap is what they were written for (session 38, one run): both together 391.5
 # against 397.9 us for kitty-pro at 64 / 32K (4.84x SDPA against 4.76x) and 330.9 against 338.4 for kivi-k2v2; at
 # 1 / 32K equal for kitty-pro (13.0) and 0.5 us slower for kivi-k2v2 (11.9 against 11.4); zq-ahead alone 1.0 slower
-# for kitty-pro at 64 / 32K. So "auto" takes both where a program walks many pages (folds_max).
+# for kitty-pro at 64 / 32K. So "auto" takes both where a program walks many pages (folds_max). q-rows with both, on
+# the H200 (session 39): kitty-pro at 64 / 32K 372.0, 373.9 and 372.8 against 375.6 and 375.0 us (two runs; 4.98x
+# SDPA at best), equal at 32 / 32K (191.9 against 191.1), slower at 1 / 32K (14.3 against 12.9) and for kitty, whose
+# 16 boosted channels leave half the lanes idle (356.4 against 351.2 at 64 / 32K, 183.3 against 180.8 at 32 / 32K):
+# "auto" adds it where a program walks ROWS_PAGES pages and the keys have ROWS_BOOSTED boosted channels (reads_rows).
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows")
 FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
+ROWS_KERNEL = FOLDED_KERNEL + "+q-rows"
+ROWS_PAGES = 64                    # measured faster at 85 pages a program, equal at 43
+ROWS_BOOSTED = 32                  # kitty-pro's at head_dim 128; kitty's 16 measured slower, other counts not measured
 # Pages a program from which "auto" takes FOLDED_KERNEL: on the H200 faster for kitty-pro, kitty and kivi-k2v2 at 86,
 # 43 and 32 (Qwen3-8B's batch 64 / 32K; 32 / 32K and 64 / 16K; 32 / 16K: by 7.5-6.9, 4.5-1.7, 3.5-1.0 and 1.0-0.7 us
 # a call, one run, BENCHMARKS.md section 1, session 39), not at 2 (1 / 32K, session 38); a program's zero terms come
@@ -732,21 +739,36 @@ def gluon_maxnreg(q: torch.Tensor, kv: PagedKV, num_splits: int, kernel: str = "
 
 def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
     """decode_attention(kernel="auto")'s choice for one-warp programs: for a launch it supports
-    (decode_gluon.supports_tma: a Hopper GPU) FOLDED_KERNEL where folds_max, else "gluon-tma"; else "gluon" for one
-    the Gluon kernel supports (decode_gluon.supports: a GPU, 16-bit queries, tileable pages), else "triton"."""
+    (decode_gluon.supports_tma: a Hopper GPU) ROWS_KERNEL where reads_rows, else FOLDED_KERNEL where folds_max,
+    else "gluon-tma"; else "gluon" for one the Gluon kernel supports (decode_gluon.supports: a GPU, 16-bit queries,
+    tileable pages), else "triton"."""
     from . import decode_gluon
     if num_warps != 1 or not decode_gluon.supports(q, kv):
         return "triton"
     if not decode_gluon.supports_tma(q, kv):
         return "gluon"
-    return FOLDED_KERNEL if folds_max(q, kv, multiprocessors(q.device)) else "gluon-tma"
+    sm_count = multiprocessors(q.device)
+    if reads_rows(q, kv, sm_count):
+        return ROWS_KERNEL
+    return FOLDED_KERNEL if folds_max(q, kv, sm_count) else "gluon-tma"
+
+
+def pages_a_program(q: torch.Tensor, kv: PagedKV, sm_count: int) -> int:
+    """Pages that the plain TMA kernel's programs (its split_count at GLUON_MAXNREG on sm_count multiprocessors)
+    would walk each, by the page tables' width."""
+    pages = max(1, kv.k_table.shape[1])
+    return -(-pages // split_count(q, kv, "gluon-tma", GLUON_MAXNREG, sm_count=sm_count))
 
 
 def folds_max(q: torch.Tensor, kv: PagedKV, sm_count: int) -> bool:
-    """Whether the plain TMA kernel's programs (its split_count at GLUON_MAXNREG on sm_count multiprocessors) would
-    walk at least FOLD_PAGES pages each: where "auto" takes FOLDED_KERNEL."""
-    pages = max(1, kv.k_table.shape[1])
-    return -(-pages // split_count(q, kv, "gluon-tma", GLUON_MAXNREG, sm_count=sm_count)) >= FOLD_PAGES
+    """Whether pages_a_program is at least FOLD_PAGES: where "auto" takes FOLDED_KERNEL."""
+    return pages_a_program(q, kv, sm_count) >= FOLD_PAGES
+
+
+def reads_rows(q: torch.Tensor, kv: PagedKV, sm_count: int) -> bool:
+    """Whether pages_a_program is at least ROWS_PAGES and the key pages have ROWS_BOOSTED boosted channels: where
+    "auto" takes ROWS_KERNEL."""
+    return kv.n_boost == ROWS_BOOSTED and pages_a_program(q, kv, sm_count) >= ROWS_PAGES
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,

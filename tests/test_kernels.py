@@ -23,10 +23,10 @@ from paged_factory import random_paged_kv
 from backend.cache import KittyLayer
 from backend.methods import method_config
 from kernels.decode_attention import (FOLDED_KERNEL, GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS,
-                                      MAGIC, DecodeWorkspace, balanced_splits, check_kernel, decode_attention,
-                                      decode_attention_ref, decode_launches, default_splits, field_weights, folds_max,
-                                      gather_kv, gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
-                                      multiprocessors, split_count, unpack_asm)
+                                      MAGIC, ROWS_KERNEL, DecodeWorkspace, balanced_splits, check_kernel,
+                                      decode_attention, decode_attention_ref, decode_launches, default_splits,
+                                      field_weights, folds_max, gather_kv, gluon_maxnreg, is_gluon, kernel_parts,
+                                      merge_blocks, merge_splits, multiprocessors, reads_rows, split_count, unpack_asm)
 from kernels.decode_rest import (REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_maxnreg, rest_parts,
                                  rest_warps)
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
@@ -1069,6 +1069,15 @@ def test_auto_folds_the_max_only_where_programs_walk_many_pages(method):
               (64, 16384), (64, 32768), (128, 32768)]
     assert [s for s in shapes if folds(*s)] == [(16, 32768), (32, 32768), (32, 16384), (64, 16384), (64, 32768),
                                                 (128, 32768)]
+    # ... and adds q-rows for kitty-pro's 32 boosted channels from 64 pages a program (reads_rows): faster at 85 (64 /
+    # 32K), equal at 43, slower for kitty's 16 (BENCHMARKS.md section 1, session 39)
+    tables = torch.zeros(64, 256, dtype=torch.int32)
+    rows = reads_rows(torch.zeros(64, 32, 128, dtype=torch.bfloat16),
+                      dataclasses.replace(kv, k_table=tables, v_table=tables), 132)
+    assert rows == (method == "kitty-pro") and check_kernel(ROWS_KERNEL).endswith("+q-rows")
+    tables = torch.zeros(32, 256, dtype=torch.int32)
+    assert not reads_rows(torch.zeros(32, 32, 128, dtype=torch.bfloat16),
+                          dataclasses.replace(kv, k_table=tables, v_table=tables), 132)
     assert check_kernel(FOLDED_KERNEL) and kernel_parts(FOLDED_KERNEL) == ("gluon-tma", ("zq-ahead", "fold-max"))
 
 
