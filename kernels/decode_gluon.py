@@ -37,7 +37,8 @@ page with Hopper's wgmma (twice the instructions a page; 2.2x slower at batch 64
 computed beside this slot's values (its arithmetic alone no faster, 359.5 against 358.7 us at batch 64 / 32K),
 programs taking their slots from a counter as they go (balanced, and no faster: session 24), the slot after next's
 pages prefetched into L2 (slower at every shape), the boosted channels' queries gathered from a transposed copy
-(2 % faster at batch 64 / 32K, up to 13 % slower elsewhere: session 25), two token quarters' scores in one tile
+(2 % faster at batch 64 / 32K, up to 13 % slower elsewhere: session 25; since session 39 the "q-rows" experiment,
+Q_ROWS, which "auto" takes for kitty-pro's longest launches only), two token quarters' scores in one tile
 where the KV group has at most 4 heads (64 fewer softmax instructions a page: no faster at batch 64 / 32K, 5 %
 faster at 1 / 32K), the sums of p and of p * zero as fp32 multiply-adds instead of products with ones (16 fewer
 matrix products a page: within 1 % at batch 64, 3-4 % slower at 1 / 4K; both session 26, in git history) and the
@@ -46,10 +47,10 @@ each product twice: 14 % slower at batch 64 / 32K for the keys and values, 7 % f
 limbs 2-3x less exact) and a second value buffer at 12 programs a multiprocessor (within 1 % at batch 64 / 32K, up
 to 7 % slower at batch 1; both session 27, in git history), and the remaining blocks taken by each sequence's last
 paged program, before or after its page loop, instead of decode_rest.py's launch (a chain of dependent loads: slower
-at every shape, 384.4 against 377.0 us for kitty-pro at batch 64 / 32K; session 39, commits 23d8cba-8e7b13b). A second key buffer was not built: the programs
-wait for their key pages 1.5 % of their cycles and for their value pages 1.6 % (kitty-pro at batch 64 / 32K, `bench
-tune --vary timeline`'s WAITS; session 29). No CPU
-interpreter runs Gluon: `decode_attention(..., kernel="gluon")` is tested on a GPU against the PyTorch reference
+at every shape, 384.4 against 377.0 us for kitty-pro at batch 64 / 32K; session 39, commits 23d8cba-8e7b13b). A
+second key buffer was not built: the programs wait for their key pages 1.5 % of their cycles and for their value
+pages 1.6 % (kitty-pro at batch 64 / 32K, `bench tune --vary timeline`'s WAITS; session 29). No CPU interpreter runs
+Gluon: `decode_attention(..., kernel="gluon")` is tested on a GPU against the PyTorch reference
 (tests/test_kernels.py), and its static profile comes from `python -m kernels.sass_profile --kernel gluon`.
 """
 from __future__ import annotations
