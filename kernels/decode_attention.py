@@ -871,7 +871,6 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         from . import decode_gluon
         options = decode_gluon.kernel_options(kernel)
         descriptors = workspace.tma_descriptors(kv, d) if options["use_tma"] else None
-
         query_rows = workspace.query_rows(q, kv) if options["q_rows"] else None
 
         def paged():

@@ -1280,7 +1280,8 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     h = kv.k_fp.shape[1]
     pages = (descriptors or tma_descriptors(kv, d)) if use_tma else page_tensors(kv)
     if experiments.get("q_rows") and query_rows is None:
-        query_rows = torch.empty(query_rows_shape(q, kv), dtype=torch.float16, device=q.device)
+        from .decode_attention import DecodeWorkspace
+        query_rows = DecodeWorkspace().query_rows(q, kv)
     args = (q, *pages, kv.k_scale, kv.k_zero, kv.k_table, kv.v_table, kv.n_kpages, kv.n_vpages,
             q if query_rows is None else query_rows, part_o, part_m, part_l, qk_scale, kv.k_table.shape[1],
             kv.v_table.shape[1], num_splits, part_m.shape[2])
