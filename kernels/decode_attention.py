@@ -28,7 +28,6 @@ kernel runs at 128 registers with 16 programs per multiprocessor and is 1.3-1.6x
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,6 +40,7 @@ from .decode_rest import (launch_rest, rest_blocks_per_program, rest_maxnreg as 
                           rest_warps as default_rest_warps)
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV, key_tile_and_operand, value_tile_and_operand
+from .unpack import MAGIC, field_weights, interpreted, unpack_asm, unpacking
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -74,53 +74,6 @@ def decode_attention_ref(q: torch.Tensor, kv: PagedKV, sm_scale: float) -> torch
 
 
 # ---------------------------------------------------------------------------------------------- Triton
-# 2-bit fields -> 16-bit operands with bit operations (the lop3 trick of Marlin / BitDecoding). A 32-bit word holds
-# four bytes b0..b3 (4 consecutive elements of the contracted dimension); prmt reorders them (b0, b2, b1, b3) so
-# that the low byte of each 16-bit half is b0 / b1, or b2 / b3 after >> 8. OR-ing the field at bits 2i into the
-# mantissa of a "magic" float M (bf16 128, fp16 1024: spacing 1 there) gives M + w * code with w = 4^i; one fused
-# multiply-add per pair, (M + w * code) / w - M / w, returns the code exactly. bf16 has 7 mantissa bits, so its
-# fourth field (bits 6-7) is shifted down first (w = 1). With offset=True (the kernel's bf16 path) the fma is left
-# out and the operand stays M + w * code; the kernel takes M and w out of the products' fp32 sums instead, one
-# multiply-add per score or output element instead of one per pair of code elements. Not for fp16: its M = 1024
-# leaves 8x fewer bits after the offset cancels, measured past the tests' tolerance (BENCHMARKS.md).
-MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}
-FIELDS_IN_MANTISSA = {torch.bfloat16: 3, torch.float16: 4}
-
-
-def _bits16(value: float, dtype: torch.dtype) -> int:
-    """A 32-bit word holding `value` in both 16-bit halves."""
-    half = torch.tensor([value], dtype=dtype).view(torch.int16).item() & 0xFFFF
-    return half | half << 16
-
-
-def field_weights(dtype: torch.dtype) -> list[float]:
-    """w of each quarter's operand M + w * code in unpack_asm(dtype, offset=True)."""
-    return [4.0 ** (i if i < FIELDS_IN_MANTISSA[dtype] else 0) for i in range(4)]
-
-
-def unpack_asm(dtype: torch.dtype, offset: bool = False) -> str:
-    """PTX: one word of 4 bytes ($8) -> for each quarter i, the 16-bit pairs of field i of bytes (0, 1) in $2i and
-    of bytes (2, 3) in $2i+1, as exact values 0..3 of `dtype` (offset=True: as M + w_i * code, field_weights)."""
-    magic = MAGIC[dtype]
-    fma = {torch.bfloat16: "fma.rn.bf16x2", torch.float16: "fma.rn.f16x2"}[dtype]
-    lines = ["{ .reg .b32 t, u, v, s, o;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;"]
-    for i, weight in enumerate(field_weights(dtype)):
-        shift = 2 * i                                 # where field i sits; fields past the mantissa move down
-        if i >= FIELDS_IN_MANTISSA[dtype]:
-            lines += [f"shr.b32 t, t, {shift};", f"shr.b32 u, u, {shift};"]
-            shift = 0
-        if not offset:
-            lines += [f"mov.b32 s, {_bits16(1.0 / weight, dtype):#x};",
-                      f"mov.b32 o, {_bits16(-magic / weight, dtype):#x};"]
-        for k, word in enumerate("tu"):
-            mask = f"{0x00030003 << shift:#x}, {_bits16(magic, dtype):#x}, 0xea;"
-            if offset:
-                lines += [f"lop3.b32 ${2 * i + k}, {word}, {mask}"]
-            else:
-                lines += [f"lop3.b32 v, {word}, {mask}", f"{fma} ${2 * i + k}, v, s, o;"]
-    return " ".join(lines) + " }"
-
-
 UNPACK_FP16 = tl.constexpr(unpack_asm(torch.float16))
 UNPACK_BF16_OFFSET = tl.constexpr(unpack_asm(torch.bfloat16, offset=True))
 # the bf16 operands of the offset unpacking: M + w_i * code (field_weights(torch.bfloat16) = 1, 4, 16, 1)
@@ -459,10 +412,6 @@ def merge_blocks(rows: int, d: int, sm_count: int, num_parts: int) -> tuple[int,
     return MERGE_TILE // block_dc, block_dc
 
 
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def dot_dtype(dtype: torch.dtype):
     """Operand type of the matrix products: the model's half type on a GPU. Triton's CPU interpreter computes
     bfloat16 arithmetic wrongly (numpy has no bfloat16), so interpreted bfloat16 runs use float32 operands."""
@@ -476,13 +425,6 @@ def dot_dtype(dtype: torch.dtype):
 def precision(dot) -> str:
     """tl.dot's input precision for operands of type `dot` (float32 ones only on the interpreter: exact there)."""
     return "ieee" if dot == tl.float32 else "tf32"
-
-
-def unpacking(dot, compiled: bool | None = None) -> int:
-    """The Triton kernel's ASM for operands of type `dot`: its unpacking by inline PTX for half types (1: bfloat16,
-    2: float16; _quarters) where it is compiled (default: unless interpreted), else 0 (the interpreter has no PTX)."""
-    compiled = not interpreted() if compiled is None else compiled
-    return {tl.bfloat16: 1, tl.float16: 2}.get(dot, 0) if compiled else 0
 
 
 REGISTERS_PER_SM = 65536      # 32-bit registers of an H100 / H200 multiprocessor (what bounds resident programs here)
@@ -712,6 +654,13 @@ def is_gluon(kernel: str) -> bool:
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
 PDL = True
 
+# decode_launches' rest_codes by default. An experiment (session 40, no GPU lent): the remaining blocks of a key page
+# scored from the codes themselves, exact, with the page's scales on the queries, instead of keys dequantized to
+# float32 one element at a time: compiled for sm_90 with triton 3.6, 851 against 1,075 instructions a warp for such
+# a block, 457 against 471 for a block of 16-bit rows (kernels.sass_profile --kernel rest --rest-codes --blocks;
+# BENCHMARKS.md section 1, session 40). Not measured on a GPU yet: bench tune --vary rest-codes.
+REST_CODES = False
+
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1,
                 sm_count: int | None = None) -> int:
@@ -775,7 +724,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                      pdl: bool | None = None, rest_maxnreg: int | None = None,
-                     rest_blocks: int | None = None) -> torch.Tensor:
+                     rest_blocks: int | None = None, rest_codes: bool | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches (decode_launches): the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers)
     and the merge of their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default:
@@ -788,11 +737,12 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     (choose_kernel); a Gluon kernel's name may add experiments, "+name" each (kernel_parts). rest_warps /
     rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their
     register cap (default: decode_rest.rest_maxnreg; 255 leaves it to the compiler) and blocks a program (default:
-    decode_rest.rest_blocks_per_program). pdl: the three launches chained by programmatic dependent launch
-    (decode_launches; default PDL). With a workspace, its buffers are reused (see DecodeWorkspace); without, they are
-    allocated per call."""
+    decode_rest.rest_blocks_per_program). rest_codes: the remaining blocks of a key page scored from its codes with
+    the scales on the queries, as the paged kernels score a page (decode_rest._rest_block's CODES; default
+    REST_CODES). pdl: the three launches chained by programmatic dependent launch (decode_launches; default PDL).
+    With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
-                           rest_warps, pdl, rest_maxnreg, rest_blocks)()
+                           rest_warps, pdl, rest_maxnreg, rest_blocks, rest_codes=rest_codes)()
 
 
 @dataclass
@@ -817,7 +767,8 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
                     workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                     pdl: bool | None = None, rest_maxnreg: int | None = None,
-                    rest_blocks: int | None = None, times: tuple | None = None) -> DecodeLaunches:
+                    rest_blocks: int | None = None, times: tuple | None = None,
+                    rest_codes: bool | None = None) -> DecodeLaunches:
     """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
     the merge, with the kernel, split, register cap and warps resolved as it resolves them.
 
@@ -865,7 +816,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
     def remaining():
         launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
-                    rest_blocks, times[1] if times else None)
+                    rest_blocks, times[1] if times else None, REST_CODES if rest_codes is None else rest_codes)
 
     if is_gluon(kernel):
         from . import decode_gluon

@@ -2,7 +2,7 @@
 
     TRITON_INTERPRET=0 python -m kernels.sass_profile [--method kitty-pro ...] [--dtype bf16] [--group 4] [--arch 90]
                                                       [--kernel triton|gluon|rest] [--warps N] [--maxnreg N]
-                                                      [--rest-blocks N] [--opcodes]
+                                                      [--rest-blocks N] [--rest-codes] [--opcodes] [--blocks]
 
 Prints registers per thread, spill stack, shared memory and the kernel's instructions by class, for the whole
 kernel and for the body of its loop over paged blocks ("loop ...": what one page costs a warp) (matrix,
@@ -72,21 +72,24 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                         arch: int = 90, num_warps: int = 2, pdl: bool = False, blocks_per_program: int = 1,
-                        times: bool = False, maxnreg: int | None = None):
+                        times: bool = False, maxnreg: int | None = None, codes: bool = False):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel, its
     programs taking blocks_per_program blocks each (times: writing each program's start, end and multiprocessor,
-    bench tune --vary timeline; maxnreg: launch_rest's register cap, None or 255 the compiler's choice)."""
+    bench tune --vary timeline; maxnreg: launch_rest's register cap, None or 255 the compiler's choice; codes: its
+    key pages' codes as the products' operand, decode_attention's rest_codes)."""
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import dot_dtype, precision
     from kernels.decode_rest import TIMES_ROW, _rest_kernel, rest_kernel_arguments, rest_parts
+    from kernels.unpack import unpacking
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     n = rest_parts(kv, blocks_per_program)
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
-                                            pdl, blocks_per_program)
+                                            pdl, blocks_per_program, codes)
+    constants["ASM"] = unpacking(dot_dtype(dtype), True)
     return _compile(ASTSource, _rest_kernel, args, {**constants, **({} if times else {"times_ptr": None})}, arch,
                     {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg and maxnreg < 255 else {})},
                     {"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else None)
@@ -191,7 +194,42 @@ def profile(compiled) -> dict:
     row.update({f"loop {name}": sum(loop[op] for op in ops) for name, ops in CLASSES.items()})
     row["loop integer matrix"] = loop["IMMA"]          # of "loop matrix": the 8-bit products (gluon-tma-i8k / i8)
     row["loop opcodes"] = dict(loop.most_common())       # every opcode of a page, the most frequent first
+    row["loop blocks"] = _basic_blocks((_loop_bodies(sass.splitlines()) or [[]])[0])
     return row
+
+
+def _basic_blocks(lines: list[str]) -> list[tuple[str, int, str]]:
+    """A loop body's basic blocks, in order: (the address of its first instruction, its instructions, where its
+    branches go: addresses, "?" before one that a predicate guards). A block ends at a branch or before a label;
+    what one pass takes along a path is the sum of the blocks it runs (a branch taken skips to its target)."""
+    addresses, pending = {}, []
+    for line in lines:                                  # each label's address: its next instruction's
+        m = re.match(r"\s*\.(L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+        elif INSTRUCTION.match(line):
+            for label in pending:
+                addresses[label] = _address(line)
+            pending = []
+    blocks, start, count, jumps = [], "", 0, []
+    for line in lines:
+        if re.match(r"\s*\.L_x_\d+:", line) and count:
+            blocks.append((start, count, " ".join(jumps)))
+            start, count, jumps = "", 0, []
+        elif INSTRUCTION.match(line):
+            start, count = start or _address(line), count + 1
+            target = re.search(r"(@!?U?P\w+\s+)?BRA.*`\(\.(L_x_\d+)\)", line)
+            if target:
+                jumps.append(("?" if target.group(1) else "") + addresses.get(target.group(2), target.group(2)))
+                blocks.append((start, count, " ".join(jumps)))
+                start, count, jumps = "", 0, []
+    if count:
+        blocks.append((start, count, " ".join(jumps)))
+    return blocks
+
+
+def _address(line: str) -> str:
+    return "0x" + re.match(r"\s*/\*([0-9a-f]+)\*/", line).group(1)
 
 
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
@@ -243,10 +281,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rest-blocks", type=int, default=1,
                         help="the rest kernel's blocks a program (decode_rest.rest_blocks_per_program: 1 compiles "
                              "without the loop over blocks)")
+    parser.add_argument("--rest-codes", action="store_true",
+                        help="the rest kernel with its key pages' codes as the products' operand (decode_attention's "
+                             "rest_codes)")
     parser.add_argument("--opcodes", action="store_true",
                         help="also print the page loop's count of every opcode (which pipe a page fills: LOP3 / SHF / "
                              "PRMT on the integer pipe, HMMA on the matrix unit, FFMA / HMUL2 on the multiply-add "
                              "pipe; bench tune --vary pad measures what one more of some of them costs)")
+    parser.add_argument("--blocks", action="store_true",
+                        help="also print the loop's pieces from label to label with their instructions and branches "
+                             "(which kind of block or page takes which path: the rest kernel's key pages, 16-bit rows "
+                             "and value pages are branches of one loop)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG for the Triton kernel, "
                              "the compiler's choice for the Gluon and rest kernels; 255: the compiler's choice)")
@@ -268,15 +313,19 @@ def main(argv=None) -> int:
                                             **options)
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
-                                           blocks_per_program=args.rest_blocks, maxnreg=args.maxnreg)
+                                           blocks_per_program=args.rest_blocks, maxnreg=args.maxnreg,
+                                           codes=args.rest_codes)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg)
         row = profile(compiled)
-        opcodes = row.pop("loop opcodes")
+        opcodes, blocks = row.pop("loop opcodes"), row.pop("loop blocks")
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
         if args.opcodes:
             print(f"{'':>10}  loop opcodes: " + ", ".join(f"{op} {n}" for op, n in opcodes.items()), flush=True)
+        if args.blocks:
+            print(f"{'':>10}  loop blocks: " + ", ".join(f"{start} {n}" + (f" -> {jumps}" if jumps else "")
+                                                        for start, n, jumps in blocks), flush=True)
     return 0
 
 

@@ -23,12 +23,12 @@ from paged_factory import random_paged_kv
 from backend.cache import KittyLayer
 from backend.methods import method_config
 from kernels.decode_attention import (FOLDED_KERNEL, GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS,
-                                      MAGIC, ROWS_KERNEL, DecodeWorkspace, balanced_splits, check_kernel,
-                                      decode_attention, decode_attention_ref, decode_launches, default_splits,
-                                      field_weights, folds_max, gather_kv, gluon_maxnreg, is_gluon, kernel_parts,
-                                      merge_blocks, merge_splits, multiprocessors, reads_rows, split_count, unpack_asm)
+                                      ROWS_KERNEL, DecodeWorkspace, balanced_splits, check_kernel, decode_attention,
+                                      decode_attention_ref, decode_launches, default_splits, folds_max, gather_kv,
+                                      gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
+                                      multiprocessors, reads_rows, split_count)
 from kernels.decode_rest import (REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_maxnreg, rest_parts,
-                                 rest_warps)
+                                 rest_warps, takes_codes)
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import (SWAP, boost_mask, key_chunks, key_offsets, key_plane_shape, key_rows, key_tile,
@@ -36,6 +36,7 @@ from kernels.layout import (SWAP, boost_mask, key_chunks, key_offsets, key_plane
                             value_offsets, value_plane_shape, value_rows, value_tile)
 from kernels.quantize import (channel_error, channel_error_ref, choose_boost, quantize_keys, quantize_keys_ref,
                               quantize_values, quantize_values_ref)
+from kernels.unpack import MAGIC, field_asm, field_weights, unpack_asm
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -207,10 +208,11 @@ def _bf16_or_fp16(bits: int, dtype: torch.dtype) -> float:
     return torch.tensor([bits - (bits >> 15 << 16)], dtype=torch.int16).view(dtype).float().item()
 
 
-def run_unpack_ptx(asm: str, word: int, dtype: torch.dtype) -> list[float]:
-    """Execute the PTX of unpack_asm on one 32-bit word, instruction by instruction (the subset it uses: mov, prmt,
-    shr, lop3 0xea, fma.rn on 16-bit pairs), and return $0..$7 as 16 values (low half first)."""
-    regs = {"$8": word}
+def run_unpack_ptx(asm: str, inputs: dict, dtype: torch.dtype, outputs: int = 8) -> list[float]:
+    """Execute the PTX of unpack_asm or field_asm on its input registers (inputs: {"$8": a 32-bit word, ...}),
+    instruction by instruction (the subset they use: mov, prmt, shr, lop3 0xea, fma.rn on 16-bit pairs), and return
+    $0..$(outputs - 1) as 2 * outputs values (low half first)."""
+    regs = dict(inputs)
     value = lambda tok: regs[tok] if tok in regs else int(tok, 0)                   # noqa: E731
     for ins in (s.strip() for s in asm.strip("{} ").split(";")):
         if not ins or ins.startswith(".reg"):
@@ -239,7 +241,7 @@ def run_unpack_ptx(asm: str, word: int, dtype: torch.dtype) -> list[float]:
         else:
             raise AssertionError(f"unexpected instruction {ins}")
     out = []
-    for k in range(8):
+    for k in range(outputs):
         out += [_bf16_or_fp16(regs[f"${k}"] & 0xFFFF, dtype), _bf16_or_fp16(regs[f"${k}"] >> 16, dtype)]
     return out
 
@@ -255,13 +257,28 @@ def test_unpack_ptx_turns_every_byte_into_its_four_codes(dtype, offset):
     words = [0, 0xFFFFFFFF, 0x1B1B1B1B] + torch.randint(0, 2 ** 32, (40,), generator=gen).tolist()
     words += [b | (255 - b) << 8 | ((b * 7) % 256) << 16 | ((b * 13 + 5) % 256) << 24 for b in range(256)]
     for word in words:
-        got = run_unpack_ptx(asm, word, dtype)
+        got = run_unpack_ptx(asm, {"$8": word}, dtype)
         byte = [(word >> (8 * k)) & 0xFF for k in range(4)]
         want = []
         for i in range(4):
             fields = [magic + weights[i] * ((b >> (2 * i)) & 3) for b in byte]
             want += fields                                                          # b0, b1 | b2, b3
         assert got == [float(v) for v in want], hex(word)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_field_ptx_takes_one_field_of_every_byte(dtype):
+    """decode_rest's _field on the GPU (field_asm's exact PTX text, executed here): a shift of 2i ($2; $3-$5 are
+    Triton's copies) and a word of bytes b0..b3 ($6) give field i of (b0, b1) in $0 and of (b2, b3) in $1, exact
+    codes 0..3, for all 256 values of every byte and each of the four fields."""
+    asm = field_asm(dtype)
+    gen = torch.Generator().manual_seed(1)
+    words = [0, 0xFFFFFFFF, 0xE4E4E4E4] + torch.randint(0, 2 ** 32, (20,), generator=gen).tolist()
+    words += [b | (255 - b) << 8 | ((b * 7) % 256) << 16 | ((b * 13 + 5) % 256) << 24 for b in range(256)]
+    for i in range(4):
+        for word in words:
+            got = run_unpack_ptx(asm, {"$2": 2 * i, "$3": 2 * i, "$4": 2 * i, "$5": 2 * i, "$6": word}, dtype, 2)
+            assert got == [float((word >> (8 * k + 2 * i)) & 3) for k in range(4)], (i, hex(word))
 
 
 ATTENTION_CASES = [
@@ -291,6 +308,50 @@ def test_decode_attention_matches_reference(case):
         out = decode_attention(q, kv, d ** -0.5, num_splits=splits)
         assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
+
+
+REST_CODES_CASES = [
+    # lengths, KV heads, head_dim, GQA group, k_bits, v_bits, sink, page, window, boosted, dtype: pages of 128 or 256
+    # tokens, whose remaining blocks (32 tokens) are token quarters (takes_codes); the longest sequence of each has a
+    # key page or two whose values are still 16-bit, which the remaining blocks score from its codes
+    ([405, 130], 2, 128, 4, 2, 2, 32, 128, 128, 32, torch.bfloat16),          # kitty-pro, Qwen3-8B's group
+    ([333, 290], 3, 64, 3, 2, 2, 32, 128, 128, 16, torch.float16),
+    ([420, 77], 1, 128, 8, 2, 2, 0, 128, 200, 0, torch.float16),               # kivi-k2v2, two window pages
+    ([330], 2, 64, 1, 4, 4, 16, 256, 64, 64, torch.float16),                   # 4-bit keys, half-quarter blocks
+]
+
+
+@pytest.mark.parametrize("case", REST_CODES_CASES, ids=lambda c: f"L{c[0]}-d{c[2]}-g{c[3]}-p{c[7]}-k{c[4]}")
+def test_rest_codes_matches_reference(case):
+    """decode_attention(rest_codes=True): the remaining blocks of a key page scored from its codes, with the
+    page's scales on the queries and its zero term apart (decode_rest's CODES; compiled, the codes by field_asm's
+    PTX), one block a program and three: the reference's output."""
+    lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
+    kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
+                               v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths) + 7, device=DEVICE)
+    assert takes_codes(page) and (kv.n_kpages > kv.n_vpages).any()          # the path under test runs
+    q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    ref = decode_attention_ref(q, kv, d ** -0.5)
+    tol = 2e-3 if dtype == torch.float16 else 1.5e-2
+    for blocks in (1, 3):
+        out = decode_attention(q, kv, d ** -0.5, num_splits=2, rest_codes=True, rest_blocks=blocks)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < tol, f"{blocks}: {rel_err(out, ref):.2e}"
+
+
+def test_rest_codes_only_where_blocks_are_token_quarters():
+    """The codes of a block are one 2-bit field of every byte only where the block's 32 tokens are one token
+    quarter of their page or part of one (pages of 128 tokens or more): elsewhere rest_codes leaves the kernel as
+    it is (its CODES constant off)."""
+    from kernels.decode_attention import dot_dtype, precision
+    from kernels.decode_rest import rest_kernel_arguments
+    assert [takes_codes(g) for g in (16, 32, 64, 128, 256)] == [False, False, False, True, True]
+    for page, codes in ((64, False), (128, True)):
+        kv, _, _ = random_paged_kv([300], heads=1, head_dim=64, page_size=page, window=page, n_boost=8)
+        q = torch.zeros(1, 2, 64, dtype=torch.float16)
+        parts = (torch.zeros(1, 2, 9, 64), torch.zeros(1, 2, 9), torch.zeros(1, 2, 9))
+        _, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(q.dtype), precision(tl.float16),
+                                             codes=True)
+        assert constants["CODES"] is codes, page
 
 
 GLUON_CASES = [
@@ -845,6 +906,29 @@ def test_the_remaining_blocks_timeline_reads_the_clock_twice():
     assert run.stdout.split() == ["0", "0"] * 2 + ["2", "1"] * 2, run.stdout
 
 
+def test_rest_codes_compile_into_the_remaining_blocks_kernel_for_hopper():
+    """Without a GPU, for sm_90: with rest_codes the remaining blocks' kernel holds field_asm's PTX (two of its
+    16-bit fused multiply-adds for each 4 bytes: 40 in all, a key tile of 32 tokens by 128 channels and 32 boosted
+    channels at 2 warps), bf16 and fp16 alike, with fewer instructions in its loop over blocks and no spills at
+    decode_rest's register cap; without, none of them."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.sass_profile import compile_rest_kernel, profile
+        for dtype, fma in ((torch.bfloat16, "fma.rn.bf16x2"), (torch.float16, "fma.rn.f16x2")):
+            for codes in (False, True):
+                kernel = compile_rest_kernel("kitty-pro", dtype, 4, num_warps=2, blocks_per_program=5, maxnreg=168,
+                                             codes=codes)
+                row = profile(kernel)
+                print(kernel.asm["ptx"].count(fma), row["stack bytes"], row["loop instructions"])
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [[int(x) for x in line.split()] for line in run.stdout.splitlines()]
+    for without, with_codes in (rows[0:2], rows[2:4]):
+        assert without[:2] == [0, 0] and with_codes[:2] == [40, 0] and with_codes[2] < without[2], run.stdout
+
+
 def test_a_calls_timeline_takes_a_gluon_paged_kernel():
     """decode_launches' times (bench tune --vary timeline's whole call): on a GPU with a Gluon kernel, every program
     of the paged launch and of the remaining blocks' writes its row (start before end, its multiprocessor), the rows
@@ -1213,15 +1297,19 @@ def test_gather_kv_puts_every_token_in_order():
 def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     """`python -m kernels.sass_profile` compiles the real kernel for sm_90 and reads its SASS: the counts are
     those of a working kernel (matrix instructions, registers within the 255 limit) and of its loop over paged
-    blocks, which holds its products, and with --opcodes every opcode of that loop; interpreted mode is refused."""
+    blocks, which holds its products, with --opcodes every opcode of that loop and with --blocks its basic blocks
+    (address, instructions, branch targets: a loop of them, back to its first); interpreted mode is refused."""
     cmd = [sys.executable, "-m", "kernels.sass_profile", "--method", "kivi-k2v2", "--dtype", "fp16"]
-    run = subprocess.run(cmd + ["--opcodes"], capture_output=True, text=True,
+    run = subprocess.run(cmd + ["--opcodes", "--blocks"], capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    row, opcodes = run.stdout.splitlines()
+    row, opcodes, blocks = run.stdout.splitlines()
     counts = {k: int(v) for k, v in re.findall(r"([a-z][a-z .\-/]*?) (\d+)", row.split(":", 1)[1])}
     loop = {op: int(n) for op, n in re.findall(r"([A-Z][A-Z0-9_]*) (\d+)", opcodes.split(":", 1)[1])}
     assert sum(loop.values()) == counts["loop instructions"] and loop["HMMA"] == counts["loop matrix"], run.stdout
+    pieces = re.findall(r"(0x[0-9a-f]+) (\d+)(?: -> ([?0-9a-fx ]+))?", blocks.split(":", 1)[1])
+    assert sum(int(n) for _, n, _ in pieces) == counts["loop instructions"], run.stdout
+    assert pieces[-1][2].split()[-1] == "?" + pieces[0][0], run.stdout           # the branch back to the loop's top
     assert 0 < counts["registers"] <= 255 and counts["matrix"] > 0 and counts["instructions"] > 100, run.stdout
     # the loop over paged blocks: part of the kernel, with its matrix products and pipelined page loads
     assert 100 < counts["loop instructions"] < counts["instructions"], run.stdout
