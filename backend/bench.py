@@ -65,7 +65,7 @@ from kernels.decode_attention import (FOLDED_KERNEL, GLUON_MAXNREG, GLUON_MAXNRE
                                       ROWS_KERNEL, DecodeWorkspace, check_kernel, choose_kernel, decode_attention,
                                       decode_launches, default_splits, gluon_maxnreg, is_gluon, multiprocessors,
                                       resident_programs, split_count)
-from kernels.decode_rest import TIMES_ROW, rest_blocks, rest_parts
+from kernels.decode_rest import KEY_READS, TIMES_ROW, rest_blocks, rest_parts
 from kernels.layout import key_page_bytes, value_page_bytes
 
 from . import memory
@@ -268,13 +268,13 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "rest-blocks", "rest-codes", "pdl", "i8", "loads", "timeline", "pad", "experiments")
+               "rest-pdl", "rest-blocks", "rest-keys", "pdl", "i8", "loads", "timeline", "pad", "experiments")
 
 
 # A tune setting's fields but its split (which the shape decides), at the default launch: 1 warp, 3 stages, the Triton
 # kernel at MAXNREG, the remaining blocks' defaults, no PDL, the whole launch, no timeline or padding
 TUNE_DEFAULTS = dict(warps=1, stages=3, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False, loads=None,
-                     rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None, rest_codes=None)
+                     rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None, rest_keys=None)
 
 
 def bench_tune(args) -> dict:
@@ -349,9 +349,9 @@ def bench_tune(args) -> dict:
                   # ... and at blocks a program (None: decode_rest.rest_blocks_per_program; 9 is all of a
                   # Qwen3-8B kitty-pro sequence's at 32K)
                   "rest-blocks": [{**gluon(cap), "pdl": True, "rest_blocks": n} for n in (None, 1, 2, 3, 5, 9)],
-                  # ... and with the key pages' remaining blocks scored from their codes (rest_codes: an experiment,
-                  # decode_attention.REST_CODES) and without
-                  "rest-codes": [{**gluon(cap), "pdl": True, "rest_codes": c} for c in (False, True)],
+                  # ... and each way a key page's remaining blocks read its codes (decode_rest.KEY_READS: the
+                  # default, decode_attention.REST_KEYS, and two experiments)
+                  "rest-keys": [{**gluon(cap), "pdl": True, "rest_keys": k} for k in KEY_READS],
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and
                   # chained by programmatic dependent launch (decode_launches' pdl)
                   "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
@@ -402,7 +402,7 @@ def bench_tune(args) -> dict:
                                            maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                            rest_warps=setting["rest_warps"], pdl=setting["pdl"],
                                            rest_maxnreg=setting["rest_maxnreg"],
-                                           rest_blocks=setting["rest_blocks"], rest_codes=setting["rest_codes"])
+                                           rest_blocks=setting["rest_blocks"], rest_keys=setting["rest_keys"])
             times = None
             if setting["timeline"]:
                 times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64,

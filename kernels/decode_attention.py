@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .decode_rest import KEY_READS
 from .decode_rest import (launch_rest, rest_blocks_per_program, rest_maxnreg as default_rest_maxnreg, rest_parts,
                           rest_warps as default_rest_warps)
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
@@ -654,12 +655,15 @@ def is_gluon(kernel: str) -> bool:
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
 PDL = True
 
-# decode_launches' rest_codes by default. An experiment (session 40, no GPU lent): the remaining blocks of a key page
-# scored from the codes themselves, exact, with the page's scales on the queries, instead of keys dequantized to
-# float32 one element at a time: compiled for sm_90 with triton 3.6, 851 against 1,075 instructions a warp for such
-# a block, 457 against 471 for a block of 16-bit rows (kernels.sass_profile --kernel rest --rest-codes --blocks;
-# BENCHMARKS.md section 1, session 40). Not measured on a GPU yet: bench tune --vary rest-codes.
-REST_CODES = False
+# decode_launches' rest_keys by default: how the remaining blocks of a key page read its codes
+# (decode_rest.KEY_READS).
+# Two experiments (session 40), against "elements", the keys dequantized to float32 one element at a time: "fields"
+# (each byte's one 2-bit field by inline PTX, then dequantized the same way) and "codes" (those fields as the
+# product's operand, the scales on the queries). Compiled for sm_90 with triton 3.6, instructions a warp for a
+# kitty-pro key page's block: 1,075, 981 and 851; 456, 444 and 458 for a block of 16-bit rows (kernels.sass_profile
+# --kernel rest --rest-keys ... --blocks; BENCHMARKS.md section 1, session 40). On an H100 (one run, bench tune
+# --vary rest-keys): "codes" 1.0 us faster for kitty-pro at 64 / 32K, up to 7 us slower at batch 8.
+REST_KEYS = "elements"
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1,
@@ -724,7 +728,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                      pdl: bool | None = None, rest_maxnreg: int | None = None,
-                     rest_blocks: int | None = None, rest_codes: bool | None = None) -> torch.Tensor:
+                     rest_blocks: int | None = None, rest_keys: str | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches (decode_launches): the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers)
     and the merge of their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default:
@@ -737,12 +741,12 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     (choose_kernel); a Gluon kernel's name may add experiments, "+name" each (kernel_parts). rest_warps /
     rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their
     register cap (default: decode_rest.rest_maxnreg; 255 leaves it to the compiler) and blocks a program (default:
-    decode_rest.rest_blocks_per_program). rest_codes: the remaining blocks of a key page scored from its codes with
-    the scales on the queries, as the paged kernels score a page (decode_rest._rest_block's CODES; default
-    REST_CODES). pdl: the three launches chained by programmatic dependent launch (decode_launches; default PDL).
+    decode_rest.rest_blocks_per_program). rest_keys: how the remaining blocks of a key page read its codes, one of
+    decode_rest.KEY_READS (default REST_KEYS). pdl: the three launches chained by programmatic dependent launch
+    (decode_launches; default PDL).
     With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
-                           rest_warps, pdl, rest_maxnreg, rest_blocks, rest_codes=rest_codes)()
+                           rest_warps, pdl, rest_maxnreg, rest_blocks, rest_keys=rest_keys)()
 
 
 @dataclass
@@ -768,7 +772,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                     pdl: bool | None = None, rest_maxnreg: int | None = None,
                     rest_blocks: int | None = None, times: tuple | None = None,
-                    rest_codes: bool | None = None) -> DecodeLaunches:
+                    rest_keys: str | None = None) -> DecodeLaunches:
     """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
     the merge, with the kernel, split, register cap and warps resolved as it resolves them.
 
@@ -783,6 +787,9 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     remaining), of decode_rest.TIMES_ROW a program, at least as many rows as each launch's programs, to which
     each program of the paged and of the remaining blocks' launch writes when it started and ended, and where."""
     check_kernel(kernel)                            # a name it does not take: ValueError
+    rest_keys = REST_KEYS if rest_keys is None else rest_keys
+    if rest_keys not in KEY_READS:
+        raise ValueError(f"rest_keys {rest_keys!r}: choose one of {', '.join(KEY_READS)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
@@ -816,7 +823,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
     def remaining():
         launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
-                    rest_blocks, times[1] if times else None, REST_CODES if rest_codes is None else rest_codes)
+                    rest_blocks, times[1] if times else None, rest_keys)
 
     if is_gluon(kernel):
         from . import decode_gluon

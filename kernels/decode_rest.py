@@ -112,9 +112,16 @@ FIELD_BF16 = tl.constexpr(field_asm(torch.bfloat16))
 FIELD_FP16 = tl.constexpr(field_asm(torch.float16))
 
 
-def takes_codes(page_size: int) -> bool:
-    """Whether a block of a key page is one token quarter (rest_block_tokens divides G/4), as _rest_block's CODES
-    needs: its codes are then one 2-bit field of every byte."""
+# How the remaining blocks of a key page read its codes (launch_rest's `keys`; _rest_block's KEYS is the index):
+# "elements", each one's bits by shifts, an AND and a conversion, then dequantized in float32; "fields", one 2-bit
+# field of every byte by field_asm's PTX (7 instructions a word of 4 codes), then dequantized the same way; "codes",
+# the same fields as the product's operand with the scales on the queries (the paged kernels' algebra).
+KEY_READS = ("elements", "fields", "codes")
+
+
+def takes_fields(page_size: int) -> bool:
+    """Whether a block of a key page is one token quarter or part of one (rest_block_tokens divides G/4), as
+    KEY_READS' "fields" and "codes" need: its codes are then one 2-bit field of every byte."""
     return (page_size // 4) % rest_block_tokens(page_size) == 0
 
 
@@ -126,7 +133,7 @@ def _field(x, shift, DOT: tl.constexpr, ASM: tl.constexpr):
     products' operands back through it to the 8-bit load: it would then lay both operands out for 8-bit ones
     (kWidth 4), and build the other one, the queries times the scales, with a 64-bit shared-memory load and a move
     a register (about 70 more instructions a warp for a key page's block: kernels.sass_profile --kernel rest
-    --rest-codes --blocks)."""
+    --rest-keys codes --blocks)."""
     if ASM == 0:
         return ((x.to(tl.int32) >> shift) & 3).to(DOT)
     else:
@@ -145,7 +152,7 @@ def _rest_block(j, q, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_pt
                 nvp, n_paged, sink_len, n_sink, qk_scale, CK, CV, KMP, VMP,
                 H: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr, NB: tl.constexpr,
                 V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, CODES: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, KEYS: tl.constexpr,
                 ASM: tl.constexpr):
     """Block j of a sequence's remaining tokens: its scores (BLOCK_M heads, T tokens; log2 units, -inf where a
     token does not exist) and values (T, BLOCK_D) in float32. Blocks 0 .. cdiv(sink, T) - 1 are the sink's; then
@@ -171,25 +178,29 @@ def _rest_block(j, q, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_pt
     dmask = d < D
 
     # keys (T, D): T tokens of key page `slot` (its low bits, dequantized; the boosted channels' high bits add
-    # 4 * (q_c * scale_c) * high_c to the scores, `boost`), or full-precision rows. CODES: a key page's block is one
-    # token quarter (takes_codes), and its codes themselves are the product's operand, exact (_field), with the
-    # page's scales on the queries: q . k_t = sum_d (q_d * scale_d) * code_dt + sum_d q_d * zero_d (q: the queries
-    # in float32, times qk_scale), as the paged kernels compute a page. Each kind of block then takes its own
+    # 4 * (q_c * scale_c) * high_c to the scores, `boost`), or full-precision rows. The codes by KEY_READS[KEYS]
+    # (KEYS > 0: a key page's block is in one token quarter, takes_fields). KEYS 2 ("codes"): the fields themselves
+    # are the product's operand, exact, with the page's scales on the queries: q . k_t = sum_d (q_d * scale_d) *
+    # code_dt + sum_d q_d * zero_d (q: the queries in float32, times qk_scale), and each kind of block takes its own
     # product: one after the branches merged both kinds' keys in one layout, which cost the 16-bit rows' blocks more
-    # than the codes saved (kernels.sass_profile --kernel rest --rest-codes; BENCHMARKS.md section 1, session 40).
+    # than the codes saved (kernels.sass_profile --kernel rest --rest-keys codes; BENCHMARKS.md section 1, session 40).
     boost = tl.zeros((BLOCK_M, T), tl.float32)
     if (j >= n_sink) & (slot < nkp):
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         shift = 2 * quarter[:, None]
+        field = 2 * ((u % PIECES) * T // G4)                                     # KEYS > 0: the quarter's bits
         low = key_tile(klow_ptr + kpage * (G4 * D), row, d, (tok < G)[:, None] & dmask[None, :], G4, D)
         scale = tl.load(kscale_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
-        if CODES:
-            field = 2 * ((u % PIECES) * T // G4)                                 # the block's quarter's bits
+        if KEYS == 2:
             codes = _field(low, field, DOT, ASM)
             boost += tl.sum(q * zero[None, :], axis=1)[:, None]
         else:
-            keys = ((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :]
+            if KEYS == 1:
+                code = _field(low, field, DOT, ASM).to(tl.float32)
+            else:
+                code = ((low.to(tl.int32) >> shift) & 3).to(tl.float32)
+            keys = code * scale[None, :] + zero[None, :]
         if NB > 0:
             r = tl.arange(0, BLOCK_NB)
             rmask = r < NB
@@ -197,21 +208,21 @@ def _rest_block(j, q, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_pt
             ch_scale = tl.load(kscale_ptr + kpage * D + ch, mask=rmask, other=0.0).to(tl.float32)
             q_ch = tl.load(q_rows + ch[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
             high = key_tile(khigh_ptr + kpage * (G4 * NB), row, r, (tok < G)[:, None] & rmask[None, :], G4, NB)
-            if CODES:
+            if KEYS > 0:
                 high = _field(high, field, DOT, ASM)
             else:
                 high = ((high.to(tl.int32) >> shift) & 3).to(tl.float32)                 # (tokens, boosted)
             boost = tl.dot((q_ch * qk_scale * (4.0 * ch_scale)[None, :]).to(DOT), tl.trans(high.to(DOT)), boost,
                            input_precision=PREC)
-        if CODES:
+        if KEYS == 2:
             scores = tl.dot((q * scale[None, :]).to(DOT), tl.trans(codes), boost, input_precision=PREC)
     else:
         krow = tl.where(in_sink, j * T, S + (slot - nkp) * G + (u % PIECES) * T)
         keys = tl.load(kfp_ptr + (kv_head * CK + krow + t[:, None]) * D + d[None, :],
                        mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        if CODES:
+        if KEYS == 2:
             scores = tl.dot(q_dot, tl.trans(keys.to(DOT)), input_precision=PREC)
-    if not CODES:
+    if KEYS != 2:
         scores = tl.dot(q_dot, tl.trans(keys.to(DOT)), boost, input_precision=PREC)      # (heads, tokens), log2
     # values (T, D): the same tokens of value page `slot`, or full-precision rows
     if (j >= n_sink) & (slot < nvp):
@@ -255,7 +266,7 @@ def _rest_kernel(
         BPP: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False,
-        CODES: tl.constexpr = False, ASM: tl.constexpr = 0, times_ptr=None):
+        KEYS: tl.constexpr = 0, ASM: tl.constexpr = 0, times_ptr=None):
     """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1 (of the NBLK launched a sequence; _rest_block numbers
     them) of sequence b's remaining tokens for KV head h, one after the other with a running softmax, written as
     part FIRST_PART + p. Blocks without a token of the sequence are skipped (a program with none writes an empty
@@ -303,7 +314,7 @@ def _rest_kernel(
                                          kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
                                          ktab_ptr, vtab_ptr, b, h, kv_head, length, nkp, nvp, n_paged, sink_len,
                                          n_sink, qk_scale, CK, CV, KMP, VMP, H, D, S, G, NB, V_BITS, DOT, PREC, T,
-                                         BLOCK_M, BLOCK_D, BLOCK_NB, CODES, ASM)
+                                         BLOCK_M, BLOCK_D, BLOCK_NB, KEYS, ASM)
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             m_use = tl.where(m_new > float("-inf"), m_new, 0.0)                # rows with no score yet stay empty
             alpha = tl.math.exp2(m_i - m_use)
@@ -328,11 +339,11 @@ def _rest_kernel(
 
 def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,
                           prec: str, pdl: bool = False, blocks_per_program: int = 1,
-                          codes: bool = False) -> tuple[tuple, dict]:
+                          keys: str = "elements") -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _rest_kernel: parts (output, max, sum) first_part ..
     first_part + rest_parts(kv, blocks_per_program) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e);
-    dot / prec: the products' operand type and input precision, decode_attention's; codes: a key page's codes as
-    its products' operand where its blocks are token quarters, takes_codes, else ignored: _rest_block's CODES).
+    dot / prec: the products' operand type and input precision, decode_attention's; keys: how a key page's blocks
+    read its codes, one of KEY_READS, "elements" where its blocks are not in one token quarter, takes_fields).
     Also used to compile the kernel for a profile (kernels.sass_profile)."""
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -343,22 +354,22 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
     constants = dict(H=h, GROUP=hq // h, D=d, S=kv.sink, G=kv.page_size, NB=kv.n_boost, V_BITS=kv.v_bits, DOT=dot,
                      PREC=prec, T=rest_block_tokens(kv.page_size), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
                      BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)),
-                     BPP=blocks_per_program, PDL=pdl, CODES=codes and takes_codes(kv.page_size),
-                     ASM=unpacking(dot))
+                     BPP=blocks_per_program, PDL=pdl,
+                     KEYS=KEY_READS.index(keys) if takes_fields(kv.page_size) else 0, ASM=unpacking(dot))
     return args, constants
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
                 num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1,
-                times: torch.Tensor | None = None, codes: bool = False) -> None:
+                times: torch.Tensor | None = None, keys: str = "elements") -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program,
     blocks_per_program blocks each; pdl: by programmatic dependent launch, beside the paged slots' kernel launched
     just before; maxnreg: a register cap per thread (a one-warp program of at most 176 fits beside 11 paged programs
     of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary rest-pdl); times (a measurement,
-    int64, TIMES_ROW a program, at least as many rows as programs): the kernel's times_ptr; codes:
+    int64, TIMES_ROW a program, at least as many rows as programs): the kernel's times_ptr; keys:
     rest_kernel_arguments'."""
     args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program,
-                                            codes)
+                                            keys)
     grid = (q.shape[0], kv.k_fp.shape[1], rest_parts(kv, blocks_per_program))
     _rest_kernel[grid](*args, **constants, times_ptr=times, num_warps=num_warps,
                        **({"launch_pdl": True} if pdl else {}),

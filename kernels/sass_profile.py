@@ -2,7 +2,7 @@
 
     TRITON_INTERPRET=0 python -m kernels.sass_profile [--method kitty-pro ...] [--dtype bf16] [--group 4] [--arch 90]
                                                       [--kernel triton|gluon|rest] [--warps N] [--maxnreg N]
-                                                      [--rest-blocks N] [--rest-codes] [--opcodes] [--blocks]
+                                                      [--rest-blocks N] [--rest-keys K] [--opcodes] [--blocks]
 
 Prints registers per thread, spill stack, shared memory and the kernel's instructions by class, for the whole
 kernel and for the body of its loop over paged blocks ("loop ...": what one page costs a warp) (matrix,
@@ -72,11 +72,11 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                         arch: int = 90, num_warps: int = 2, pdl: bool = False, blocks_per_program: int = 1,
-                        times: bool = False, maxnreg: int | None = None, codes: bool = False):
+                        times: bool = False, maxnreg: int | None = None, keys: str = "elements"):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel, its
     programs taking blocks_per_program blocks each (times: writing each program's start, end and multiprocessor,
-    bench tune --vary timeline; maxnreg: launch_rest's register cap, None or 255 the compiler's choice; codes: its
-    key pages' codes as the products' operand, decode_attention's rest_codes)."""
+    bench tune --vary timeline; maxnreg: launch_rest's register cap, None or 255 the compiler's choice; keys: how
+    its key pages' blocks read their codes, decode_attention's rest_keys)."""
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import dot_dtype, precision
@@ -88,7 +88,7 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
-                                            pdl, blocks_per_program, codes)
+                                            pdl, blocks_per_program, keys)
     constants["ASM"] = unpacking(dot_dtype(dtype), True)
     return _compile(ASTSource, _rest_kernel, args, {**constants, **({} if times else {"times_ptr": None})}, arch,
                     {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg and maxnreg < 255 else {})},
@@ -264,6 +264,7 @@ def _kernel_name(kernel: str) -> str:
 
 def main(argv=None) -> int:
     from kernels.decode_attention import is_gluon
+    from kernels.decode_rest import KEY_READS
     parser = argparse.ArgumentParser(prog="python -m kernels.sass_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", nargs="*", default=["kitty-pro", "kitty", "kivi-k2v2"])
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -281,9 +282,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rest-blocks", type=int, default=1,
                         help="the rest kernel's blocks a program (decode_rest.rest_blocks_per_program: 1 compiles "
                              "without the loop over blocks)")
-    parser.add_argument("--rest-codes", action="store_true",
-                        help="the rest kernel with its key pages' codes as the products' operand (decode_attention's "
-                             "rest_codes)")
+    parser.add_argument("--rest-keys", default="elements", choices=KEY_READS,
+                        help="how the rest kernel's key pages' blocks read their codes (decode_attention's rest_keys, "
+                             "decode_rest.KEY_READS)")
     parser.add_argument("--opcodes", action="store_true",
                         help="also print the page loop's count of every opcode (which pipe a page fills: LOP3 / SHF / "
                              "PRMT on the integer pipe, HMMA on the matrix unit, FFMA / HMUL2 on the multiply-add "
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                            blocks_per_program=args.rest_blocks, maxnreg=args.maxnreg,
-                                           codes=args.rest_codes)
+                                           keys=args.rest_keys)
         else:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg)

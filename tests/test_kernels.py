@@ -28,7 +28,7 @@ from kernels.decode_attention import (FOLDED_KERNEL, GLUON_KERNELS, GLUON_MAXNRE
                                       gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
                                       multiprocessors, reads_rows, split_count)
 from kernels.decode_rest import (REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_maxnreg, rest_parts,
-                                 rest_warps, takes_codes)
+                                 rest_warps, takes_fields)
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import (SWAP, boost_mask, key_chunks, key_offsets, key_plane_shape, key_rows, key_tile,
@@ -310,10 +310,10 @@ def test_decode_attention_matches_reference(case):
         assert rel_err(out, ref) < tol, f"splits={splits}: {rel_err(out, ref):.2e}"
 
 
-REST_CODES_CASES = [
+REST_KEYS_CASES = [
     # lengths, KV heads, head_dim, GQA group, k_bits, v_bits, sink, page, window, boosted, dtype: pages of 128 or 256
-    # tokens, whose remaining blocks (32 tokens) are token quarters (takes_codes); the longest sequence of each has a
-    # key page or two whose values are still 16-bit, which the remaining blocks score from its codes
+    # tokens, whose remaining blocks (32 tokens) are in one token quarter (takes_fields); the longest sequence of each
+    # has a key page or two whose values are still 16-bit, which the remaining blocks read
     ([405, 130], 2, 128, 4, 2, 2, 32, 128, 128, 32, torch.bfloat16),          # kitty-pro, Qwen3-8B's group
     ([333, 290], 3, 64, 3, 2, 2, 32, 128, 128, 16, torch.float16),
     ([420, 77], 1, 128, 8, 2, 2, 0, 128, 200, 0, torch.float16),               # kivi-k2v2, two window pages
@@ -321,37 +321,41 @@ REST_CODES_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", REST_CODES_CASES, ids=lambda c: f"L{c[0]}-d{c[2]}-g{c[3]}-p{c[7]}-k{c[4]}")
-def test_rest_codes_matches_reference(case):
-    """decode_attention(rest_codes=True): the remaining blocks of a key page scored from its codes, with the
-    page's scales on the queries and its zero term apart (decode_rest's CODES; compiled, the codes by field_asm's
-    PTX), one block a program and three: the reference's output."""
+@pytest.mark.parametrize("keys", ["fields", "codes"])
+@pytest.mark.parametrize("case", REST_KEYS_CASES, ids=lambda c: f"L{c[0]}-d{c[2]}-g{c[3]}-p{c[7]}-k{c[4]}")
+def test_rest_keys_match_reference(case, keys):
+    """decode_attention(rest_keys=...): the remaining blocks of a key page reading one 2-bit field of each byte
+    ("fields", then dequantized as by default) or taking those fields as the product's operand with the page's scales
+    on the queries and its zero term apart ("codes"; decode_rest's KEYS; compiled, the fields by field_asm's PTX),
+    one block a program and three: the reference's output."""
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
                                v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths) + 7, device=DEVICE)
-    assert takes_codes(page) and (kv.n_kpages > kv.n_vpages).any()          # the path under test runs
+    assert takes_fields(page) and (kv.n_kpages > kv.n_vpages).any()         # the path under test runs
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
     for blocks in (1, 3):
-        out = decode_attention(q, kv, d ** -0.5, num_splits=2, rest_codes=True, rest_blocks=blocks)
+        out = decode_attention(q, kv, d ** -0.5, num_splits=2, rest_keys=keys, rest_blocks=blocks)
         assert torch.isfinite(out).all() and rel_err(out, ref) < tol, f"{blocks}: {rel_err(out, ref):.2e}"
 
 
-def test_rest_codes_only_where_blocks_are_token_quarters():
-    """The codes of a block are one 2-bit field of every byte only where the block's 32 tokens are one token
-    quarter of their page or part of one (pages of 128 tokens or more): elsewhere rest_codes leaves the kernel as
-    it is (its CODES constant off)."""
+def test_rest_keys_fields_only_where_blocks_are_in_one_token_quarter():
+    """A block's codes are one 2-bit field of every byte only where its 32 tokens are in one token quarter of their
+    page (pages of 128 tokens or more): elsewhere "fields" and "codes" leave the kernel as "elements" makes it (its
+    KEYS constant 0); a name that is not a way gets a ValueError naming them."""
     from kernels.decode_attention import dot_dtype, precision
     from kernels.decode_rest import rest_kernel_arguments
-    assert [takes_codes(g) for g in (16, 32, 64, 128, 256)] == [False, False, False, True, True]
-    for page, codes in ((64, False), (128, True)):
+    assert [takes_fields(g) for g in (16, 32, 64, 128, 256)] == [False, False, False, True, True]
+    for page, index in ((64, 0), (128, 2)):
         kv, _, _ = random_paged_kv([300], heads=1, head_dim=64, page_size=page, window=page, n_boost=8)
         q = torch.zeros(1, 2, 64, dtype=torch.float16)
         parts = (torch.zeros(1, 2, 9, 64), torch.zeros(1, 2, 9), torch.zeros(1, 2, 9))
         _, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(q.dtype), precision(tl.float16),
-                                             codes=True)
-        assert constants["CODES"] is codes, page
+                                             keys="codes")
+        assert constants["KEYS"] == index, page
+    with pytest.raises(ValueError, match="elements, fields, codes"):
+        decode_attention(q, kv, 64 ** -0.5, rest_keys="bits")
 
 
 GLUON_CASES = [
@@ -906,18 +910,18 @@ def test_the_remaining_blocks_timeline_reads_the_clock_twice():
     assert run.stdout.split() == ["0", "0"] * 2 + ["2", "1"] * 2, run.stdout
 
 
-def test_rest_codes_compile_into_the_remaining_blocks_kernel_for_hopper():
-    """Without a GPU, for sm_90: with rest_codes the remaining blocks' kernel holds field_asm's PTX (two of its
-    16-bit fused multiply-adds for each 4 bytes: 40 in all, a key tile of 32 tokens by 128 channels and 32 boosted
-    channels at 2 warps), bf16 and fp16 alike, with fewer instructions in its loop over blocks and no spills at
-    decode_rest's register cap; without, none of them."""
+def test_rest_keys_compile_into_the_remaining_blocks_kernel_for_hopper():
+    """Without a GPU, for sm_90: with rest_keys "fields" or "codes" the remaining blocks' kernel holds field_asm's
+    PTX (two of its 16-bit fused multiply-adds for each 4 bytes: 40 in all, a key tile of 32 tokens by 128 channels
+    and 32 boosted channels at 2 warps), bf16 and fp16 alike, with fewer instructions in its loop over blocks and no
+    spills at decode_rest's register cap; with "elements" (the default), none of them."""
     code = textwrap.dedent("""
         import torch
         from kernels.sass_profile import compile_rest_kernel, profile
         for dtype, fma in ((torch.bfloat16, "fma.rn.bf16x2"), (torch.float16, "fma.rn.f16x2")):
-            for codes in (False, True):
+            for keys in ("elements", "fields", "codes"):
                 kernel = compile_rest_kernel("kitty-pro", dtype, 4, num_warps=2, blocks_per_program=5, maxnreg=168,
-                                             codes=codes)
+                                             keys=keys)
                 row = profile(kernel)
                 print(kernel.asm["ptx"].count(fma), row["stack bytes"], row["loop instructions"])
     """)
@@ -925,8 +929,9 @@ def test_rest_codes_compile_into_the_remaining_blocks_kernel_for_hopper():
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [[int(x) for x in line.split()] for line in run.stdout.splitlines()]
-    for without, with_codes in (rows[0:2], rows[2:4]):
-        assert without[:2] == [0, 0] and with_codes[:2] == [40, 0] and with_codes[2] < without[2], run.stdout
+    for elements, fields, codes in (rows[0:3], rows[3:6]):
+        assert elements[:2] == [0, 0] and fields[:2] == codes[:2] == [40, 0], run.stdout
+        assert codes[2] < fields[2] < elements[2], run.stdout
 
 
 def test_a_calls_timeline_takes_a_gluon_paged_kernel():
