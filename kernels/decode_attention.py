@@ -655,15 +655,18 @@ def is_gluon(kernel: str) -> bool:
 # batch 1 / 4K, 17.4 -> 14.7 at 1 / 32K, equal at 64 / 32K (BENCHMARKS.md section 1, session 18, call 3)
 PDL = True
 
-# decode_launches' rest_keys by default: how the remaining blocks of a key page read its codes
-# (decode_rest.KEY_READS).
-# Two experiments (session 40), against "elements", the keys dequantized to float32 one element at a time: "fields"
-# (each byte's one 2-bit field by inline PTX, then dequantized the same way) and "codes" (those fields as the
-# product's operand, the scales on the queries). Compiled for sm_90 with triton 3.6, instructions a warp for a
-# kitty-pro key page's block: 1,075, 981 and 851; 456, 444 and 458 for a block of 16-bit rows (kernels.sass_profile
-# --kernel rest --rest-keys ... --blocks; BENCHMARKS.md section 1, session 40). On an H100 (one run, bench tune
-# --vary rest-keys): "codes" 1.0 us faster for kitty-pro at 64 / 32K, up to 7 us slower at batch 8.
-REST_KEYS = "elements"
+# decode_launches' rest_keys by default: how the remaining blocks of a key page read its codes, one of
+# decode_rest.KEY_READS or "auto": "codes" (each byte's one 2-bit field by inline PTX as the product's operand, the
+# page's scales on the queries) where their programs take CODES_BLOCKS blocks or more, beside long paged launches,
+# else "elements" (the keys dequantized to float32 one element at a time). Compiled for sm_90 with triton 3.6, a
+# kitty-pro key page's block takes 851 instructions a warp with "codes" against 1,075 (kernels.sass_profile --kernel
+# rest --rest-keys codes --blocks). Measured on H100s (bench tune --vary rest-keys; BENCHMARKS.md section 1, session
+# 40): at batch 64 / 32K (5 blocks a program) "codes" was faster for kitty-pro in all 5 comparisons of 3 runs (by
+# 0.6-1.5 us a call) and for kitty in both (0.9, 1.4), equal for kivi-k2v2; at one block a program it was slower
+# at 9 of 9 shapes of batch 8 (3.2-6.8 us: its program's 16 KB of shared memory against 12 KB) and at 64 / 4K.
+# A third way, the fields dequantized in float32 as before (981 instructions), was within 0.6 us everywhere: deleted.
+REST_KEYS = "auto"
+CODES_BLOCKS = 5
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1,
@@ -742,7 +745,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their
     register cap (default: decode_rest.rest_maxnreg; 255 leaves it to the compiler) and blocks a program (default:
     decode_rest.rest_blocks_per_program). rest_keys: how the remaining blocks of a key page read its codes, one of
-    decode_rest.KEY_READS (default REST_KEYS). pdl: the three launches chained by programmatic dependent launch
+    decode_rest.KEY_READS or "auto" (default REST_KEYS). pdl: the three launches chained by programmatic dependent launch
     (decode_launches; default PDL).
     With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
@@ -788,8 +791,8 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     each program of the paged and of the remaining blocks' launch writes when it started and ended, and where."""
     check_kernel(kernel)                            # a name it does not take: ValueError
     rest_keys = REST_KEYS if rest_keys is None else rest_keys
-    if rest_keys not in KEY_READS:
-        raise ValueError(f"rest_keys {rest_keys!r}: choose one of {', '.join(KEY_READS)}")
+    if rest_keys not in ("auto", *KEY_READS):
+        raise ValueError(f"rest_keys {rest_keys!r}: choose one of auto, {', '.join(KEY_READS)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
@@ -805,6 +808,8 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         maxnreg = gluon_maxnreg(q, kv, num_splits, kernel) if is_gluon(kernel) else MAXNREG
     if rest_blocks is None:
         rest_blocks = rest_blocks_per_program(bsz * h, rest_parts(kv), multiprocessors(q.device), kv.k_table.shape[1])
+    if rest_keys == "auto":
+        rest_keys = choose_rest_keys(rest_blocks)
     rest = rest_parts(kv, rest_blocks)
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
@@ -844,6 +849,12 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
                                                        num_stages=num_stages, PDL=pdl,
                                                        **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
     return DecodeLaunches(remaining, paged, lambda: merge_splits(*parts, pdl=pdl), parts[3], pdl)
+
+
+def choose_rest_keys(blocks_per_program: int) -> str:
+    """rest_keys "auto"'s choice for the remaining blocks' programs of blocks_per_program blocks: "codes" from
+    CODES_BLOCKS, else "elements"."""
+    return "codes" if blocks_per_program >= CODES_BLOCKS else "elements"
 
 
 def pdl_supported(device: torch.device) -> bool:

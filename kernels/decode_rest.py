@@ -113,15 +113,15 @@ FIELD_FP16 = tl.constexpr(field_asm(torch.float16))
 
 
 # How the remaining blocks of a key page read its codes (launch_rest's `keys`; _rest_block's KEYS is the index):
-# "elements", each one's bits by shifts, an AND and a conversion, then dequantized in float32; "fields", one 2-bit
-# field of every byte by field_asm's PTX (7 instructions a word of 4 codes), then dequantized the same way; "codes",
-# the same fields as the product's operand with the scales on the queries (the paged kernels' algebra).
-KEY_READS = ("elements", "fields", "codes")
+# "elements", each one's bits by shifts, an AND and a conversion, then dequantized in float32; "codes", one 2-bit
+# field of every byte by field_asm's PTX (7 instructions a word of 4 codes) as the product's operand, the page's
+# scales on the queries (the paged kernels' algebra).
+KEY_READS = ("elements", "codes")
 
 
 def takes_fields(page_size: int) -> bool:
     """Whether a block of a key page is one token quarter or part of one (rest_block_tokens divides G/4), as
-    KEY_READS' "fields" and "codes" need: its codes are then one 2-bit field of every byte."""
+    KEY_READS' "codes" needs: its codes are then one 2-bit field of every byte."""
     return (page_size // 4) % rest_block_tokens(page_size) == 0
 
 
@@ -178,29 +178,25 @@ def _rest_block(j, q, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_pt
     dmask = d < D
 
     # keys (T, D): T tokens of key page `slot` (its low bits, dequantized; the boosted channels' high bits add
-    # 4 * (q_c * scale_c) * high_c to the scores, `boost`), or full-precision rows. The codes by KEY_READS[KEYS]
-    # (KEYS > 0: a key page's block is in one token quarter, takes_fields). KEYS 2 ("codes"): the fields themselves
-    # are the product's operand, exact, with the page's scales on the queries: q . k_t = sum_d (q_d * scale_d) *
-    # code_dt + sum_d q_d * zero_d (q: the queries in float32, times qk_scale), and each kind of block takes its own
-    # product: one after the branches merged both kinds' keys in one layout, which cost the 16-bit rows' blocks more
-    # than the codes saved (kernels.sass_profile --kernel rest --rest-keys codes; BENCHMARKS.md section 1, session 40).
+    # 4 * (q_c * scale_c) * high_c to the scores, `boost`), or full-precision rows. KEYS 1 (KEY_READS' "codes"; a
+    # key page's block in one token quarter, takes_fields): the block's fields themselves are the product's operand,
+    # exact (_field), with the page's scales on the queries: q . k_t = sum_d (q_d * scale_d) * code_dt + sum_d q_d *
+    # zero_d (q: the queries in float32, times qk_scale), and each kind of block takes its own product: one after the
+    # branches merged both kinds' keys in one layout, which cost the 16-bit rows' blocks more than the codes saved
+    # (kernels.sass_profile --kernel rest --rest-keys codes; BENCHMARKS.md section 1, session 40).
     boost = tl.zeros((BLOCK_M, T), tl.float32)
     if (j >= n_sink) & (slot < nkp):
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         shift = 2 * quarter[:, None]
-        field = 2 * ((u % PIECES) * T // G4)                                     # KEYS > 0: the quarter's bits
+        field = 2 * ((u % PIECES) * T // G4)                                     # KEYS 1: the quarter's bits
         low = key_tile(klow_ptr + kpage * (G4 * D), row, d, (tok < G)[:, None] & dmask[None, :], G4, D)
         scale = tl.load(kscale_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
-        if KEYS == 2:
+        if KEYS == 1:
             codes = _field(low, field, DOT, ASM)
             boost += tl.sum(q * zero[None, :], axis=1)[:, None]
         else:
-            if KEYS == 1:
-                code = _field(low, field, DOT, ASM).to(tl.float32)
-            else:
-                code = ((low.to(tl.int32) >> shift) & 3).to(tl.float32)
-            keys = code * scale[None, :] + zero[None, :]
+            keys = ((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :]
         if NB > 0:
             r = tl.arange(0, BLOCK_NB)
             rmask = r < NB
@@ -208,21 +204,21 @@ def _rest_block(j, q, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_pt
             ch_scale = tl.load(kscale_ptr + kpage * D + ch, mask=rmask, other=0.0).to(tl.float32)
             q_ch = tl.load(q_rows + ch[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
             high = key_tile(khigh_ptr + kpage * (G4 * NB), row, r, (tok < G)[:, None] & rmask[None, :], G4, NB)
-            if KEYS > 0:
+            if KEYS == 1:
                 high = _field(high, field, DOT, ASM)
             else:
                 high = ((high.to(tl.int32) >> shift) & 3).to(tl.float32)                 # (tokens, boosted)
             boost = tl.dot((q_ch * qk_scale * (4.0 * ch_scale)[None, :]).to(DOT), tl.trans(high.to(DOT)), boost,
                            input_precision=PREC)
-        if KEYS == 2:
+        if KEYS == 1:
             scores = tl.dot((q * scale[None, :]).to(DOT), tl.trans(codes), boost, input_precision=PREC)
     else:
         krow = tl.where(in_sink, j * T, S + (slot - nkp) * G + (u % PIECES) * T)
         keys = tl.load(kfp_ptr + (kv_head * CK + krow + t[:, None]) * D + d[None, :],
                        mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        if KEYS == 2:
+        if KEYS == 1:
             scores = tl.dot(q_dot, tl.trans(keys.to(DOT)), input_precision=PREC)
-    if KEYS != 2:
+    if KEYS == 0:
         scores = tl.dot(q_dot, tl.trans(keys.to(DOT)), boost, input_precision=PREC)      # (heads, tokens), log2
     # values (T, D): the same tokens of value page `slot`, or full-precision rows
     if (j >= n_sink) & (slot < nvp):

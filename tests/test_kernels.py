@@ -321,13 +321,11 @@ REST_KEYS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("keys", ["fields", "codes"])
 @pytest.mark.parametrize("case", REST_KEYS_CASES, ids=lambda c: f"L{c[0]}-d{c[2]}-g{c[3]}-p{c[7]}-k{c[4]}")
-def test_rest_keys_match_reference(case, keys):
-    """decode_attention(rest_keys=...): the remaining blocks of a key page reading one 2-bit field of each byte
-    ("fields", then dequantized as by default) or taking those fields as the product's operand with the page's scales
-    on the queries and its zero term apart ("codes"; decode_rest's KEYS; compiled, the fields by field_asm's PTX),
-    one block a program and three: the reference's output."""
+def test_rest_keys_codes_match_reference(case):
+    """decode_attention(rest_keys="codes"): the remaining blocks of a key page taking one 2-bit field of each byte
+    as the product's operand with the page's scales on the queries and its zero term apart (decode_rest's KEYS;
+    compiled, the fields by field_asm's PTX), one block a program and three: the reference's output."""
     lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
     kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
                                v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths) + 7, device=DEVICE)
@@ -336,25 +334,25 @@ def test_rest_keys_match_reference(case, keys):
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
     for blocks in (1, 3):
-        out = decode_attention(q, kv, d ** -0.5, num_splits=2, rest_keys=keys, rest_blocks=blocks)
+        out = decode_attention(q, kv, d ** -0.5, num_splits=2, rest_keys="codes", rest_blocks=blocks)
         assert torch.isfinite(out).all() and rel_err(out, ref) < tol, f"{blocks}: {rel_err(out, ref):.2e}"
 
 
-def test_rest_keys_fields_only_where_blocks_are_in_one_token_quarter():
+def test_rest_keys_codes_only_where_blocks_are_in_one_token_quarter():
     """A block's codes are one 2-bit field of every byte only where its 32 tokens are in one token quarter of their
-    page (pages of 128 tokens or more): elsewhere "fields" and "codes" leave the kernel as "elements" makes it (its
-    KEYS constant 0); a name that is not a way gets a ValueError naming them."""
+    page (pages of 128 tokens or more): elsewhere "codes" leaves the kernel as "elements" makes it (its KEYS constant
+    0); a name that is not a way gets a ValueError naming them."""
     from kernels.decode_attention import dot_dtype, precision
     from kernels.decode_rest import rest_kernel_arguments
     assert [takes_fields(g) for g in (16, 32, 64, 128, 256)] == [False, False, False, True, True]
-    for page, index in ((64, 0), (128, 2)):
+    for page, index in ((64, 0), (128, 1)):
         kv, _, _ = random_paged_kv([300], heads=1, head_dim=64, page_size=page, window=page, n_boost=8)
         q = torch.zeros(1, 2, 64, dtype=torch.float16)
         parts = (torch.zeros(1, 2, 9, 64), torch.zeros(1, 2, 9), torch.zeros(1, 2, 9))
         _, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(q.dtype), precision(tl.float16),
                                              keys="codes")
         assert constants["KEYS"] == index, page
-    with pytest.raises(ValueError, match="elements, fields, codes"):
+    with pytest.raises(ValueError, match="auto, elements, codes"):
         decode_attention(q, kv, 64 ** -0.5, rest_keys="bits")
 
 
@@ -910,16 +908,16 @@ def test_the_remaining_blocks_timeline_reads_the_clock_twice():
     assert run.stdout.split() == ["0", "0"] * 2 + ["2", "1"] * 2, run.stdout
 
 
-def test_rest_keys_compile_into_the_remaining_blocks_kernel_for_hopper():
-    """Without a GPU, for sm_90: with rest_keys "fields" or "codes" the remaining blocks' kernel holds field_asm's
-    PTX (two of its 16-bit fused multiply-adds for each 4 bytes: 40 in all, a key tile of 32 tokens by 128 channels
-    and 32 boosted channels at 2 warps), bf16 and fp16 alike, with fewer instructions in its loop over blocks and no
-    spills at decode_rest's register cap; with "elements" (the default), none of them."""
+def test_rest_keys_codes_compile_into_the_remaining_blocks_kernel_for_hopper():
+    """Without a GPU, for sm_90: with rest_keys "codes" the remaining blocks' kernel holds field_asm's PTX (two of
+    its 16-bit fused multiply-adds for each 4 bytes: 40 in all, a key tile of 32 tokens by 128 channels and 32
+    boosted channels at 2 warps), bf16 and fp16 alike, with fewer instructions in its loop over blocks and no spills
+    at decode_rest's register cap; with "elements", none of them."""
     code = textwrap.dedent("""
         import torch
         from kernels.sass_profile import compile_rest_kernel, profile
         for dtype, fma in ((torch.bfloat16, "fma.rn.bf16x2"), (torch.float16, "fma.rn.f16x2")):
-            for keys in ("elements", "fields", "codes"):
+            for keys in ("elements", "codes"):
                 kernel = compile_rest_kernel("kitty-pro", dtype, 4, num_warps=2, blocks_per_program=5, maxnreg=168,
                                              keys=keys)
                 row = profile(kernel)
@@ -929,9 +927,22 @@ def test_rest_keys_compile_into_the_remaining_blocks_kernel_for_hopper():
                          env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [[int(x) for x in line.split()] for line in run.stdout.splitlines()]
-    for elements, fields, codes in (rows[0:3], rows[3:6]):
-        assert elements[:2] == [0, 0] and fields[:2] == codes[:2] == [40, 0], run.stdout
-        assert codes[2] < fields[2] < elements[2], run.stdout
+    for elements, codes in (rows[0:2], rows[2:4]):
+        assert elements[:2] == [0, 0] and codes[:2] == [40, 0] and codes[2] < elements[2], run.stdout
+
+
+def test_rest_keys_auto_takes_codes_beside_long_paged_launches():
+    """rest_keys "auto" (the default) reads a key page's remaining blocks as "codes" where their programs take
+    CODES_BLOCKS blocks or more (measured faster at batch 64 / 32K, 5 a program), else as "elements" (measured faster
+    at one block a program); the default launch at that many blocks a program gives the reference's output."""
+    from kernels.decode_attention import CODES_BLOCKS, REST_KEYS, choose_rest_keys
+    assert REST_KEYS == "auto"
+    assert [choose_rest_keys(n) for n in (1, 2, 4, 5, 9)] == ["elements"] * 3 + ["codes"] * 2
+    kv, _, _ = random_paged_kv([405, 130], heads=1, head_dim=64, page_size=128, window=128, n_boost=8,
+                               dtype=torch.float16, seed=3, device=DEVICE)
+    q = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(1)).half().to(DEVICE)
+    out = decode_attention(q, kv, 64 ** -0.5, num_splits=2, rest_blocks=CODES_BLOCKS)
+    assert rel_err(out, decode_attention_ref(q, kv, 64 ** -0.5)) < 2e-3
 
 
 def test_a_calls_timeline_takes_a_gluon_paged_kernel():
