@@ -656,15 +656,17 @@ def is_gluon(kernel: str) -> bool:
 PDL = True
 
 # decode_launches' rest_keys by default: how the remaining blocks of a key page read its codes, one of
-# decode_rest.KEY_READS or "auto": "codes" (each byte's one 2-bit field by inline PTX as the product's operand, the
-# page's scales on the queries) where their programs take CODES_BLOCKS blocks or more, beside long paged launches,
-# else "elements" (the keys dequantized to float32 one element at a time). Compiled for sm_90 with triton 3.6, a
-# kitty-pro key page's block takes 851 instructions a warp with "codes" against 1,075 (kernels.sass_profile --kernel
-# rest --rest-keys codes --blocks). Measured on H100s (bench tune --vary rest-keys; BENCHMARKS.md section 1, session
-# 40): at batch 64 / 32K (5 blocks a program) "codes" was faster for kitty-pro in all 5 comparisons of 3 runs (by
-# 0.6-1.5 us a call) and for kitty in both (0.9, 1.4), equal for kivi-k2v2; at one block a program it was slower
-# at 9 of 9 shapes of batch 8 (3.2-6.8 us: its program's 16 KB of shared memory against 12 KB) and at 64 / 4K.
-# A third way, the fields dequantized in float32 as before (981 instructions), was within 0.6 us everywhere: deleted.
+# decode_rest.KEY_READS or "auto" (choose_rest_keys): "codes" (each byte's one 2-bit field by inline PTX as the
+# product's operand, the page's scales on the queries) where their programs take CODES_BLOCKS blocks or more, beside
+# long paged launches, or have a multiprocessor each (batch 1), else "elements" (the keys dequantized to float32 one
+# element at a time). Compiled for sm_90 with triton 3.6, a kitty-pro key page's block takes 851 instructions a warp
+# with "codes" against 1,075 (kernels.sass_profile --kernel rest --rest-keys codes --blocks). Measured on H100s
+# (bench tune --vary rest-keys; BENCHMARKS.md section 1, session 40): at batch 64 / 32K (5 blocks a program) "codes"
+# was faster for kitty-pro in all 5 comparisons of 3 runs (by 0.6-1.5 us a call) and for kitty in both (0.9,
+# 1.4), equal for kivi-k2v2 (within 0.2); at batch 1 faster at all 6 shapes (0.1-0.9 us); at batch 8 slower at all
+# 9 (3.2-6.8 us: a program of its 16 KB of shared memory, against 12 KB, seems not to fit beside the paged ones)
+# and at 64 / 4K at all 4 (1.4-4.2), one block a program there too. A third way, the fields dequantized in float32
+# as before (981 instructions), was within 0.6 us of "elements" at all 12 shapes of its run: deleted.
 REST_KEYS = "auto"
 CODES_BLOCKS = 5
 
@@ -808,9 +810,9 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         maxnreg = gluon_maxnreg(q, kv, num_splits, kernel) if is_gluon(kernel) else MAXNREG
     if rest_blocks is None:
         rest_blocks = rest_blocks_per_program(bsz * h, rest_parts(kv), multiprocessors(q.device), kv.k_table.shape[1])
-    if rest_keys == "auto":
-        rest_keys = choose_rest_keys(rest_blocks)
     rest = rest_parts(kv, rest_blocks)
+    if rest_keys == "auto":
+        rest_keys = choose_rest_keys(rest_blocks, bsz * h * rest, multiprocessors(q.device))
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
     if rest_maxnreg is None:
@@ -851,10 +853,11 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     return DecodeLaunches(remaining, paged, lambda: merge_splits(*parts, pdl=pdl), parts[3], pdl)
 
 
-def choose_rest_keys(blocks_per_program: int) -> str:
-    """rest_keys "auto"'s choice for the remaining blocks' programs of blocks_per_program blocks: "codes" from
-    CODES_BLOCKS, else "elements"."""
-    return "codes" if blocks_per_program >= CODES_BLOCKS else "elements"
+def choose_rest_keys(blocks_per_program: int, programs: int, sm_count: int) -> str:
+    """rest_keys "auto"'s choice for a launch of the remaining blocks in `programs` programs of blocks_per_program
+    blocks each on sm_count multiprocessors: "codes" from CODES_BLOCKS blocks a program, or where there is at most
+    one program a multiprocessor (batch 1), else "elements"."""
+    return "codes" if blocks_per_program >= CODES_BLOCKS or programs <= sm_count else "elements"
 
 
 def pdl_supported(device: torch.device) -> bool:

@@ -931,13 +931,16 @@ def test_rest_keys_codes_compile_into_the_remaining_blocks_kernel_for_hopper():
         assert elements[:2] == [0, 0] and codes[:2] == [40, 0] and codes[2] < elements[2], run.stdout
 
 
-def test_rest_keys_auto_takes_codes_beside_long_paged_launches():
+def test_rest_keys_auto_takes_codes_beside_long_paged_launches_and_alone():
     """rest_keys "auto" (the default) reads a key page's remaining blocks as "codes" where their programs take
-    CODES_BLOCKS blocks or more (measured faster at batch 64 / 32K, 5 a program), else as "elements" (measured faster
-    at one block a program); the default launch at that many blocks a program gives the reference's output."""
+    CODES_BLOCKS blocks or more (measured faster at batch 64 / 32K, 5 a program) or have a multiprocessor each
+    (faster at batch 1), else as "elements" (faster at batch 8 and at 64 / 4K, one block a program); the default
+    launch at that many blocks a program gives the reference's output."""
     from kernels.decode_attention import CODES_BLOCKS, REST_KEYS, choose_rest_keys
     assert REST_KEYS == "auto"
-    assert [choose_rest_keys(n) for n in (1, 2, 4, 5, 9)] == ["elements"] * 3 + ["codes"] * 2
+    assert [choose_rest_keys(n, 1024, 132) for n in (1, 2, 4, 5, 9)] == ["elements"] * 3 + ["codes"] * 2
+    assert choose_rest_keys(1, 72, 132) == choose_rest_keys(1, 132, 132) == "codes"         # batch 1: 8 x 9
+    assert choose_rest_keys(1, 133, 132) == "elements"
     kv, _, _ = random_paged_kv([405, 130], heads=1, head_dim=64, page_size=128, window=128, n_boost=8,
                                dtype=torch.float16, seed=3, device=DEVICE)
     q = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(1)).half().to(DEVICE)
