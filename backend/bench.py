@@ -349,8 +349,8 @@ def bench_tune(args) -> dict:
                   # ... and at blocks a program (None: decode_rest.rest_blocks_per_program; 9 is all of a
                   # Qwen3-8B kitty-pro sequence's at 32K)
                   "rest-blocks": [{**gluon(cap), "pdl": True, "rest_blocks": n} for n in (None, 1, 2, 3, 5, 9)],
-                  # ... and each way a key page's remaining blocks read its codes (decode_rest.KEY_READS: the
-                  # default, decode_attention.REST_KEYS, and two experiments)
+                  # ... and each way a key page's remaining blocks read its codes (decode_rest.KEY_READS; the
+                  # default, decode_attention.REST_KEYS, chooses between them by the launch)
                   "rest-keys": [{**gluon(cap), "pdl": True, "rest_keys": k} for k in KEY_READS],
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and
                   # chained by programmatic dependent launch (decode_launches' pdl)

@@ -663,10 +663,11 @@ PDL = True
 # with "codes" against 1,075 (kernels.sass_profile --kernel rest --rest-keys codes --blocks). Measured on H100s
 # (bench tune --vary rest-keys; BENCHMARKS.md section 1, session 40): at batch 64 / 32K (5 blocks a program) "codes"
 # was faster for kitty-pro in all 5 comparisons of 3 runs (by 0.6-1.5 us a call) and for kitty in both (0.9,
-# 1.4), equal for kivi-k2v2 (within 0.2); at batch 1 faster at all 6 shapes (0.1-0.9 us); at batch 8 slower at all
-# 9 (3.2-6.8 us: a program of its 16 KB of shared memory, against 12 KB, seems not to fit beside the paged ones)
-# and at 64 / 4K at all 4 (1.4-4.2), one block a program there too. A third way, the fields dequantized in float32
-# as before (981 instructions), was within 0.6 us of "elements" at all 12 shapes of its run: deleted.
+# 1.4), equal for kivi-k2v2 (within 0.2); at batch 1 faster at all 6 shapes (0.1-0.9 us); at batch 8 slower in
+# all 14 comparisons (3.2-7.3 us: a program of its 16 KB of shared memory, against 12 KB, seems not to fit beside
+# the paged ones) and at 64 / 4K in all 7 (1.0-4.2), one block a program there too. A third way, the fields
+# dequantized in float32 as before (981 instructions), was within 0.6 us of "elements" in 15 of 16 comparisons and
+# 1.2 faster for kitty at 64 / 32K, where "codes" was 1.4 faster: deleted.
 REST_KEYS = "auto"
 CODES_BLOCKS = 5
 
@@ -747,9 +748,9 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their
     register cap (default: decode_rest.rest_maxnreg; 255 leaves it to the compiler) and blocks a program (default:
     decode_rest.rest_blocks_per_program). rest_keys: how the remaining blocks of a key page read its codes, one of
-    decode_rest.KEY_READS or "auto" (default REST_KEYS). pdl: the three launches chained by programmatic dependent launch
-    (decode_launches; default PDL).
-    With a workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
+    decode_rest.KEY_READS or "auto" (default REST_KEYS). pdl: the three launches chained by programmatic dependent
+    launch (decode_launches; default PDL). With a workspace, its buffers are reused (see DecodeWorkspace); without,
+    they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
                            rest_warps, pdl, rest_maxnreg, rest_blocks, rest_keys=rest_keys)()
 

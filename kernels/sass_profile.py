@@ -81,7 +81,6 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
 
     from kernels.decode_attention import dot_dtype, precision
     from kernels.decode_rest import TIMES_ROW, _rest_kernel, rest_kernel_arguments, rest_parts
-    from kernels.unpack import unpacking
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     n = rest_parts(kv, blocks_per_program)
@@ -89,7 +88,6 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
              torch.zeros(1, heads * group, n))
     args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
                                             pdl, blocks_per_program, keys)
-    constants["ASM"] = unpacking(dot_dtype(dtype), True)
     return _compile(ASTSource, _rest_kernel, args, {**constants, **({} if times else {"times_ptr": None})}, arch,
                     {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg and maxnreg < 255 else {})},
                     {"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else None)
@@ -290,9 +288,9 @@ def main(argv=None) -> int:
                              "PRMT on the integer pipe, HMMA on the matrix unit, FFMA / HMUL2 on the multiply-add "
                              "pipe; bench tune --vary pad measures what one more of some of them costs)")
     parser.add_argument("--blocks", action="store_true",
-                        help="also print the loop's pieces from label to label with their instructions and branches "
-                             "(which kind of block or page takes which path: the rest kernel's key pages, 16-bit rows "
-                             "and value pages are branches of one loop)")
+                        help="also print the loop's basic blocks with their instructions and branch targets (which "
+                             "kind of block or page takes which path: the rest kernel's key pages, 16-bit rows and "
+                             "value pages are branches of one loop)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG for the Triton kernel, "
                              "the compiler's choice for the Gluon and rest kernels; 255: the compiler's choice)")
