@@ -355,9 +355,10 @@ def bench_tune(args) -> dict:
                   # default, decode_attention.REST_KEYS, chooses between them by the launch)
                   "rest-keys": [{**gluon(cap), "pdl": True, "rest_keys": k} for k in KEY_READS],
                   # ... and each order of a program's blocks (decode_rest.BLOCK_ORDERS), at the default blocks a
-                  # program and at 3 (matters only where a program takes several)
-                  "rest-order": [{**gluon(cap), "pdl": True, "rest_order": o, "rest_blocks": n}
-                                 for n in (None, 3) for o in BLOCK_ORDERS],
+                  # program and at 3 (matters only where a program takes several), and a call's timeline with each
+                  # (--vary timeline's "call": when the remaining programs start and end against the paged ones)
+                  "rest-order": [{**gluon(cap), "pdl": True, "rest_order": o, "rest_blocks": n, "timeline": t}
+                                 for n, t in ((None, False), (3, False), (None, "call")) for o in BLOCK_ORDERS],
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and
                   # chained by programmatic dependent launch (decode_launches' pdl)
                   "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
@@ -385,7 +386,7 @@ def bench_tune(args) -> dict:
                   # that a call adds to its paged launch (call_timeline)
                   "timeline": [{**gluon(cap), "loads": half, "timeline": t} for half, t in (
                       ("whole", True), ("arithmetic", True), ("whole", "waits"))]
-                  + [{**gluon(cap), "pdl": True, "timeline": "call", "rest_order": o} for o in BLOCK_ORDERS],
+                  + [{**gluon(cap), "pdl": True, "timeline": "call"}],
                   # what one more instruction of each kind costs the default kernel's paged launch: 64 and 128
                   # more LOP3 (the integer pipe, as the unpacking's ANDs), FFMA (the multiply-add pipe) a page,
                   # and 8 and 16 more HMMA (the matrix unit), on its scores, adding nothing (decode_gluon's PAD)
@@ -578,8 +579,8 @@ def call_timeline(paged: torch.Tensor, remaining: torch.Tensor) -> dict:
     """A whole call's paged and remaining blocks' programs from their timeline rows (rows never written, past a
     launch's programs, are dropped), in µs from the paged launch's first start: the paged launch's span and how
     long its programs took to end (the last end after the first); the remaining blocks' programs' first start, how
-    many of them started before the paged launch's last end (%), their median time, and their last end after the
-    paged launch's last end: the tail that they add to the paged launch (the merge comes after both)."""
+    many of them started before the paged launch's last end (%), their median and longest times, and their last end
+    after the paged launch's last end: the tail that they add to the paged launch (the merge comes after both)."""
     paged, remaining = paged[paged[:, 1] > 0], remaining[remaining[:, 1] > 0]
     origin = paged[:, 0].min()
     p_start, p_end = (paged[:, 0] - origin).double() / 1e3, (paged[:, 1] - origin).double() / 1e3
@@ -588,7 +589,8 @@ def call_timeline(paged: torch.Tensor, remaining: torch.Tensor) -> dict:
     return {"paged_span_us": last, "paged_ends_us": last - float(p_end.min()),
             "rest_first_start_us": float(r_start.min()),
             "rest_started_before_paged_end_pct": 100 * float((r_start < last).double().mean()),
-            "rest_median_us": float((r_end - r_start).median()), "tail_us": float(r_end.max()) - last}
+            "rest_median_us": float((r_end - r_start).median()), "rest_longest_us": float((r_end - r_start).max()),
+            "tail_us": float(r_end.max()) - last}
 
 
 def back_to_back(make_run, rows: int, device: str, launches: int = 8) -> dict:

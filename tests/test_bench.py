@@ -447,15 +447,15 @@ def test_timeline_says_how_many_programs_a_multiprocessor_ran_at_once():
 def test_a_calls_timeline_gives_the_tail_the_remaining_blocks_add():
     """bench tune --vary timeline's whole call (call_timeline): in µs from the paged launch's first start, its span
     and the spread of its ends; the remaining blocks' programs' first start, the share that started before the
-    paged launch's last end, their median time and how far the last ends past the paged launch; rows never written
-    (zero) are not programs."""
+    paged launch's last end, their median and longest times and how far the last ends past the paged launch; rows
+    never written (zero) are not programs."""
     from backend.bench import call_timeline
     paged = torch.tensor([[1000, 5000, 0], [1000, 6000, 1], [2000, 7000, 2], [0, 0, 0]])
     rest = torch.tensor([[1500, 2500, 3], [6500, 8000, 1], [7000, 9000, 2], [0, 0, 0], [0, 0, 0]])
     summary = call_timeline(paged, rest)
     assert summary == pytest.approx({"paged_span_us": 6.0, "paged_ends_us": 2.0, "rest_first_start_us": 0.5,
                                      "rest_started_before_paged_end_pct": 200 / 3, "rest_median_us": 1.5,
-                                     "tail_us": 2.0})
+                                     "rest_longest_us": 2.0, "tail_us": 2.0})
 
 
 def test_launches_in_a_row_give_their_spans_and_gaps():
