@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
-from .layout import PagedKV, key_tile, value_tile
+from .layout import PagedKV, key_tile, key_tile_and_operand, value_tile
 from .unpack import field_asm, unpacking
 
 # int64 a program in a timeline's rows (bench tune --vary timeline), this kernel's and the Gluon paged kernel's
@@ -142,7 +142,9 @@ def _field(x, shift, DOT: tl.constexpr, ASM: tl.constexpr):
     products' operands back through it to the 8-bit load: it would then lay both operands out for 8-bit ones
     (kWidth 4), and build the other one, the queries times the scales, with a 64-bit shared-memory load and a move
     a register (about 70 more instructions a warp for a key page's block: kernels.sass_profile --kernel rest
-    --rest-keys codes --blocks)."""
+    --rest-keys codes --blocks). (The fields as M + code, the fma left out, as the paged Triton kernel's bf16
+    operands are, cost more: a block of 32 tokens must then sum its operand's 16 x 128 elements to take M back out,
+    554 instructions a warp against 483 for the keys of a kitty-pro key page's block.)"""
     if ASM == 0:
         return ((x.to(tl.int32) >> shift) & 3).to(DOT)
     else:
@@ -153,6 +155,19 @@ def _field(x, shift, DOT: tl.constexpr, ASM: tl.constexpr):
         else:
             return tl.inline_asm_elementwise(asm=FIELD_FP16, constraints="=r,=r,r,r,r,r,r", args=[s, x],
                                              dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _field_product(ptr, row, c, mask, operand, field, acc, G4: tl.constexpr, K: tl.constexpr, DOT: tl.constexpr,
+                   PREC: tl.constexpr, ASM: tl.constexpr):
+    """acc + operand (heads, K) . the codes of key plane `ptr` (K columns wide) at rows `row` (tokens), columns c,
+    its field at bits `field` (_field): (heads, tokens). The plane's tile is read as stored (key_tile_and_operand:
+    whole words, bytes 1 and 2 of each traded) and the operand's columns put in that order, a renaming of its
+    32-bit registers, where key_tile's tile in column order cost two PRMT a word of codes (kernels.sass_profile
+    --kernel rest --rest-keys codes --blocks: 483 instructions a warp instead of 521 for the keys of a kitty-pro key
+    page's block)."""
+    tile, operand = key_tile_and_operand(ptr, row, c, mask, tl.trans(operand), G4, K)
+    return tl.dot(tl.trans(operand).to(DOT), tl.trans(_field(tile, field, DOT, ASM)), acc, input_precision=PREC)
 
 
 @triton.jit
@@ -198,13 +213,13 @@ def _rest_block(j, q, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_pt
         kpage = tl.load(ktab_ptr + b * KMP + slot).to(tl.int64) * H + h
         shift = 2 * quarter[:, None]
         field = 2 * ((u % PIECES) * T // G4)                                     # KEYS 1: the quarter's bits
-        low = key_tile(klow_ptr + kpage * (G4 * D), row, d, (tok < G)[:, None] & dmask[None, :], G4, D)
+        low_ptr = klow_ptr + kpage * (G4 * D)
         scale = tl.load(kscale_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         zero = tl.load(kzero_ptr + kpage * D + d, mask=dmask, other=0.0).to(tl.float32)
         if KEYS == 1:
-            codes = _field(low, field, DOT, ASM)
             boost += tl.sum(q * zero[None, :], axis=1)[:, None]
         else:
+            low = key_tile(low_ptr, row, d, (tok < G)[:, None] & dmask[None, :], G4, D)
             keys = ((low.to(tl.int32) >> shift) & 3).to(tl.float32) * scale[None, :] + zero[None, :]
         if NB > 0:
             r = tl.arange(0, BLOCK_NB)
@@ -212,15 +227,17 @@ def _rest_block(j, q, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_pt
             ch = tl.load(kch_ptr + kpage * NB + r, mask=rmask, other=0).to(tl.int32)
             ch_scale = tl.load(kscale_ptr + kpage * D + ch, mask=rmask, other=0.0).to(tl.float32)
             q_ch = tl.load(q_rows + ch[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-            high = key_tile(khigh_ptr + kpage * (G4 * NB), row, r, (tok < G)[:, None] & rmask[None, :], G4, NB)
+            high_ptr = khigh_ptr + kpage * (G4 * NB)
+            high_mask = (tok < G)[:, None] & rmask[None, :]
+            q_high = q_ch * qk_scale * (4.0 * ch_scale)[None, :]
             if KEYS == 1:
-                high = _field(high, field, DOT, ASM)
+                boost = _field_product(high_ptr, row, r, high_mask, q_high, field, boost, G4, NB, DOT, PREC, ASM)
             else:
-                high = ((high.to(tl.int32) >> shift) & 3).to(tl.float32)                 # (tokens, boosted)
-            boost = tl.dot((q_ch * qk_scale * (4.0 * ch_scale)[None, :]).to(DOT), tl.trans(high.to(DOT)), boost,
-                           input_precision=PREC)
+                high = ((key_tile(high_ptr, row, r, high_mask, G4, NB).to(tl.int32) >> shift) & 3).to(tl.float32)
+                boost = tl.dot(q_high.to(DOT), tl.trans(high.to(DOT)), boost, input_precision=PREC)
         if KEYS == 1:
-            scores = tl.dot((q * scale[None, :]).to(DOT), tl.trans(codes), boost, input_precision=PREC)
+            scores = _field_product(low_ptr, row, d, (tok < G)[:, None] & dmask[None, :], q * scale[None, :], field,
+                                    boost, G4, D, DOT, PREC, ASM)
     else:
         krow = tl.where(in_sink, j * T, S + (slot - nkp) * G + (u % PIECES) * T)
         keys = tl.load(kfp_ptr + (kv_head * CK + krow + t[:, None]) * D + d[None, :],
