@@ -355,10 +355,11 @@ def bench_tune(args) -> dict:
                   # default, decode_attention.REST_KEYS, chooses between them by the launch)
                   "rest-keys": [{**gluon(cap), "pdl": True, "rest_keys": k} for k in KEY_READS],
                   # ... and each order of a program's blocks (decode_rest.BLOCK_ORDERS), at the default blocks a
-                  # program and at 3 (matters only where a program takes several), and a call's timeline with each
+                  # program, 3 and 2 (matters only where a program takes several), and a call's timeline with each
                   # (--vary timeline's "call": when the remaining programs start and end against the paged ones)
                   "rest-order": [{**gluon(cap), "pdl": True, "rest_order": o, "rest_blocks": n, "timeline": t}
-                                 for n, t in ((None, False), (3, False), (None, "call")) for o in BLOCK_ORDERS],
+                                 for n, t in ((None, False), (3, False), (2, False), (None, "call"))
+                                 for o in BLOCK_ORDERS],
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and
                   # chained by programmatic dependent launch (decode_launches' pdl)
                   "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
