@@ -360,8 +360,8 @@ def bench_tune(args) -> dict:
                   "rest-order": [{**gluon(cap), "pdl": True, "rest_order": o, "rest_blocks": n, "timeline": t}
                                  for n, t in ((None, False), (3, False), (2, False), (None, "call"))
                                  for o in BLOCK_ORDERS],
-                  # ... and with each program's blocks' 16-bit rows asked into L2 first (decode_rest's PREFETCH), in
-                  # each order, and a call's timeline with it
+                  # ... and with each program's share of its sequence's 16-bit rows asked into L2 first
+                  # (decode_rest's PREFETCH), in each order, and a call's timeline with it
                   "rest-prefetch": [{**gluon(cap), "pdl": True, "rest_order": o, "rest_prefetch": True, "timeline": t}
                                     for t in (False, "call") for o in BLOCK_ORDERS],
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and

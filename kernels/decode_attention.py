@@ -36,9 +36,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .decode_rest import BLOCK_ORDERS, KEY_READS
-from .decode_rest import (launch_rest, rest_blocks_per_program, rest_maxnreg as default_rest_maxnreg, rest_parts,
-                          rest_warps as default_rest_warps)
+from .decode_rest import (BLOCK_ORDERS, KEY_READS, launch_rest, rest_blocks_per_program,
+                          rest_maxnreg as default_rest_maxnreg, rest_parts, rest_warps as default_rest_warps)
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV, key_tile_and_operand, value_tile_and_operand
 from .unpack import MAGIC, field_weights, interpreted, unpack_asm, unpacking
@@ -675,9 +674,9 @@ CODES_BLOCKS = 5
 # decode_rest.BLOCK_ORDERS ("runs" until the H200 measures "strided": bench tune --vary rest-order)
 REST_ORDER = "runs"
 
-# decode_launches' rest_prefetch by default: whether each remaining blocks' program first asks for all its blocks'
-# 16-bit rows to be brought into L2 (decode_rest's PREFETCH), so that its chain of blocks waits for DRAM once rather
-# than once a block (False until the H200 measures it: bench tune --vary rest-prefetch)
+# decode_launches' rest_prefetch by default: whether each remaining blocks' program first asks for a share of its
+# sequence's 16-bit rows to be brought into L2 (decode_rest's PREFETCH), so that a program's chain of blocks waits for
+# DRAM once rather than once a block (False until the H200 measures it: bench tune --vary rest-prefetch)
 REST_PREFETCH = False
 
 
@@ -759,11 +758,10 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     register cap (default: decode_rest.rest_maxnreg; 255 leaves it to the compiler) and blocks a program (default:
     decode_rest.rest_blocks_per_program). rest_keys: how the remaining blocks of a key page read its codes, one of
     decode_rest.KEY_READS or "auto" (default REST_KEYS); rest_order: which blocks a program of several takes, one of
-    decode_rest.BLOCK_ORDERS (default REST_ORDER); rest_prefetch: whether each of their programs first asks for its
-    blocks' 16-bit rows to be brought into L2 (default REST_PREFETCH). pdl: the three launches chained by programmatic
-    dependent
-    launch (decode_launches; default PDL). With a workspace, its buffers are reused (see DecodeWorkspace); without,
-    they are allocated per call."""
+    decode_rest.BLOCK_ORDERS (default REST_ORDER); rest_prefetch: whether each of their programs first asks for a
+    share of its sequence's 16-bit rows to be brought into L2 (default REST_PREFETCH). pdl: the three launches
+    chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its buffers are reused
+    (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
                            rest_warps, pdl, rest_maxnreg, rest_blocks, rest_keys=rest_keys,
                            rest_order=rest_order, rest_prefetch=rest_prefetch)()

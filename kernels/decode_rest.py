@@ -312,7 +312,9 @@ def _rest_kernel(
     Blocks without a token of the sequence are skipped (a program with none writes an empty partial, max -inf, which
     the merge weighs 0). Why several blocks a program: where the launch has many programs, each one's queries, set-up
     and partial cost about as much as a block's arithmetic; one program a block keeps the latency low where the
-    launch is small or the paged launch short (rest_blocks_per_program). PDL: launched beside
+    launch is small or the paged launch short (rest_blocks_per_program). PREFETCH (the elements of a 128-byte line,
+    0: none): first, the program asks for its share of the sequence's 16-bit key and value rows to be brought into
+    L2 (_prefetch_rows), so that its blocks' loads find them there. PDL: launched beside
     the paged slots' kernel (decode_launches' pdl): the merge after it may start at once, and the grid's last
     program waits for the paged grid before it ends, so that this grid's end (what the merge waits for) means both
     are done. Only one program waits: while every program waited, the programs that had started held their
@@ -348,7 +350,8 @@ def _rest_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     if PREFETCH > 0:
-        # the sequence's 16-bit rows are each buffer's first rows: the sink's, then those after its pages
+        # the sequence's 16-bit rows are each buffer's first rows: the sink's, then those after its pages; 64
+        # lines at a time, one a thread of a 2-warp program
         key_rows = tl.minimum(tl.maximum(length - nkp * G, sink_len), CK)
         value_rows = tl.minimum(tl.maximum(length - nvp * G, sink_len), CV)
         _prefetch_rows(kfp_ptr + kv_head * CK * D, key_rows, p, tl.num_programs(2), D, PREFETCH, 64)
@@ -390,8 +393,8 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
     first_part + rest_parts(kv, blocks_per_program) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e);
     dot / prec: the products' operand type and input precision, decode_attention's; keys: how a key page's blocks
     read its codes, one of KEY_READS, "elements" where its blocks are not in one token quarter, takes_fields; order:
-    which blocks a program takes, one of BLOCK_ORDERS; prefetch: each program first asks for its blocks' 16-bit rows
-    to be brought into L2, compiled only: PREFETCH, the elements of a 128-byte line, else 0).
+    which blocks a program takes, one of BLOCK_ORDERS; prefetch: each program first asks for a share of its
+    sequence's 16-bit rows to be brought into L2, compiled only: PREFETCH, the elements of a 128-byte line, else 0).
     Also used to compile the kernel for a profile (kernels.sass_profile)."""
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
