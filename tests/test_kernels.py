@@ -55,6 +55,15 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def compile_on_cpu(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh Python from the repository root with TRITON_INTERPRET=0, so that it can compile kernels
+    for a CUDA target without a GPU (in this process importing kernels/ turned the interpreter on); it must exit 0."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 def test_pack_roundtrip():
     q = torch.randint(0, 4, (3, 64, 5))
     packed = pack_quarters(q, dim=1)
@@ -461,9 +470,7 @@ def test_gluon_kernels_compile_for_every_gpu_test_shape():
                                    k_bits=kb, v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths))
         q = torch.zeros(len(lengths), h * group, d, dtype=dtype)
         taken += sum(takes_shapes(kernel, q, kv) for kernel in GLUON_TESTED)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code, timeout=1800)
     built, failed = run.stdout.split(" ", 1)
     assert failed.strip() == "[]", failed
     # 11 kernels on 10 shapes less the 8-bit ones' declined shapes (4 each for the 2 i8k names, 6 each for the 2 i8
@@ -632,9 +639,7 @@ def test_gluon_kernel_compiles_for_hopper_with_register_operands():
             print(method + ("-168" if maxnreg < 255 else "") + ("-tma" if tma else ""), row["loop matrix"],
                   row["loop local ld/st"], row["shared bytes"], planned, wide)
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in run.stdout.splitlines()}
     # kitty-pro: 4 quarters x (2 x 8 key + 2 x 2 boosted + 2 x 8 value tiles) products; kivi-k2v2: no boosted plane;
     # kitty: 16 boosted channels, one 16-column tile. Each also has the products for the sums: the keys' zero term
@@ -670,9 +675,7 @@ def test_i8_kernels_compile_for_hopper_with_integer_products():
             print(name, row["loop integer matrix"], row["loop matrix"] - row["loop integer matrix"],
                   row["loop local ld/st"])
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in run.stdout.splitlines()}
     # m16n8k32 over a 32-token quarter (2 row tiles) and 32 columns: 4 quarters and the -64 correction of field 3
     # (I8_MINUS64), for 4 channel chunks and the one boosted chunk; the values: 4 token quarters of 32 channels.
@@ -743,9 +746,7 @@ def test_experiments_compile_with_the_products_they_say():
                       *(opcodes.get(op, 0) for op in ("HMUL2", "FADD", "SHFL", "UTMALDG", "LDG")), row["matrix"],
                       row["shared bytes"], planned)
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code, timeout=900)
     rows = {tuple(line.split()[:2]): dict(zip(("instructions", "matrix", "spills", "HMUL2", "FADD", "SHFL", "boxes",
                                                "LDG", "all matrix", "shared", "planned"), map(int, line.split()[2:])))
             for line in run.stdout.splitlines()}
@@ -837,9 +838,7 @@ def test_the_page_unpacks_a_word_in_seven_integer_instructions():
             print(method, ops["LOP3"], ops.get("SHF", 0), ops.get("PRMT", 0), ops.get("IMAD", 0), ops.get("FADD", 0),
                   row["loop local ld/st"])
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in run.stdout.splitlines()}
     for method, words in (("kitty-pro", 72), ("kivi-k2v2", 64)):
         lop3, shf, prmt, imad, fadd, spills = rows[method]
@@ -863,9 +862,7 @@ def test_the_kernels_halves_keep_its_copies_or_its_products():
             print(compute, ptx.count("cp.async.bulk.tensor.2d"), ptx.count("mbarrier.try_wait"), row["loop matrix"],
                   ptx.count("cp.async.bulk.tensor.3d"), row["loop instructions"])
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     full, copies, arithmetic = ([int(x) for x in line.split()[1:]] for line in run.stdout.splitlines())
     assert copies[:2] == full[:2] and full[0] > 0 and full[1] > 0, run.stdout
     assert copies[2] == 0 < full[2] and copies[3] == full[3] == 0, run.stdout
@@ -889,9 +886,7 @@ def test_the_kernels_timeline_reads_the_clock_outside_its_loop():
             print(profile(compiled)["loop instructions"], ptx.count("%globaltimer"), ptx.count("%smid"),
                   ptx.count("%clock64"))
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     without, with_times, with_waits = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
     assert without[1:] == [0, 0, 0] and with_times[1:] == [2, 1, 0], run.stdout
     assert abs(with_times[0] - without[0]) <= 2, run.stdout
@@ -911,9 +906,7 @@ def test_the_remaining_blocks_timeline_reads_the_clock_twice():
                                           times=times).asm["ptx"]
                 print(ptx.count("%globaltimer"), ptx.count("%smid"))
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     assert run.stdout.split() == ["0", "0"] * 2 + ["2", "1"] * 2, run.stdout
 
 
@@ -932,9 +925,7 @@ def test_rest_keys_codes_compile_into_the_remaining_blocks_kernel_for_hopper():
                 row = profile(kernel)
                 print(kernel.asm["ptx"].count(fma), row["stack bytes"], row["loop instructions"])
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     rows = [[int(x) for x in line.split()] for line in run.stdout.splitlines()]
     for elements, codes in (rows[0:2], rows[2:4]):
         assert elements[:2] == [0, 0] and codes[:2] == [40, 0] and codes[2] < elements[2], run.stdout
@@ -952,9 +943,7 @@ def test_rest_prefetch_compiles_into_the_remaining_blocks_kernel_for_hopper():
                                          maxnreg=168, keys="codes", prefetch=prefetch)
             print(kernel.asm["ptx"].count("prefetch.global.L2"), profile(kernel)["stack bytes"])
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     assert run.stdout.split() == ["0", "0", "2", "0"], run.stdout
 
 
@@ -1018,9 +1007,7 @@ def test_tma_destinations_are_aligned_in_shared_memory():
             dests = re.findall(r"cp\.async\.bulk\.tensor\S* \[(%r\d+)\]", ptx)
             print(method, len(dests), " ".join(str(offset.get(d, -1)) for d in dests))
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     for line in run.stdout.splitlines():
         method, count, *offsets = line.split()
         # a box per plane and per vector, in the first slots and in the loop (kitty-pro: 3 planes, 5 vectors)
@@ -1038,9 +1025,7 @@ def test_padded_kernels_add_the_instructions_they_say():
             row = profile(compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, use_tma=True, pad=pad))
             print(row["loop instructions"], row["loop opcodes"]["LOP3"], row["loop float"], row["loop matrix"])
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     plain, alu, fma, mma = ([int(x) for x in line.split()] for line in run.stdout.splitlines())
     assert alu[1] - plain[1] == 64 and alu[0] - plain[0] <= 68, run.stdout
     assert 64 <= fma[2] - plain[2] <= 76 and fma[0] - plain[0] <= 80, run.stdout
@@ -1101,9 +1086,7 @@ def test_pdl_compiles_into_the_kernels_for_hopper():
                   "griddepcontrol.launch_dependents" in rest and "griddepcontrol.wait" in rest,
                   "griddepcontrol.wait" in merge, profile(gluon)["loop instructions"])
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = compile_on_cpu(code)
     plain, chained = (line.split() for line in run.stdout.splitlines())
     assert plain[:5] == ["False"] * 5 and chained[:5] == ["True"] * 5, run.stdout
     assert plain[5] == chained[5], run.stdout
