@@ -78,9 +78,11 @@ def _block_exists(j, n_sink, sink_len, n_paged, length, S: gl.constexpr, G: gl.c
 def _page_scores(kpage, quarter, q16, q_rows, live, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr,
                  D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr):
     """Token quarter `quarter` of key page kpage (a page and head row of the planes): (G/4 tokens, HEADS) sums of
-    q * Q_SCALE . key in units of 2^-24 / 4^quarter, and the zero term sum_d q_d * Q_SCALE * zero_d (HEADS,). q16:
-    the group's queries times Q_SCALE and live, fp16 chunks (KC, HEADS) in _cols_layout(KC); q_rows / live: the
-    boosted channels' gather (decode_gluon._boosted_fp16's)."""
+    q * Q_SCALE . key in units of 2^-24 / 4^quarter, the zero term sum_d q_d * Q_SCALE * zero_d included. q16: the
+    group's queries times Q_SCALE and live, fp16 chunks (KC, HEADS) in _cols_layout(KC); q_rows / live: the boosted
+    channels' gather (decode_gluon._boosted_fp16's). The zero term is a product too, of q * zero (fp16, as the paged
+    kernel rounds it) with a first operand of 4^quarter * 2^-24 everywhere (field `quarter` of bytes 0x55, which is
+    1): so it lands in the codes' units and every row, and no fp32 sum over lanes is needed."""
     G4: gl.constexpr = G // 4
     mma: gl.constexpr = _mma()
     cols: gl.constexpr = _cols_layout(KC)
@@ -89,15 +91,15 @@ def _page_scores(kpage, quarter, q16, q_rows, live, klow_ptr, khigh_ptr, kch_ptr
     r = gl.arange(0, G4, layout=gl.SliceLayout(1, rows))[:, None]
     k = gl.arange(0, KC, layout=gl.SliceLayout(0, rows))[None, :]
     mask = gl.full([G4, KC], 3, gl.uint8, rows) << (2 * quarter).to(gl.uint8)
+    ones = _a_operand(_field(gl.full([G4, KC], 0x55, gl.uint8, rows), mask), G4, KC)
     d = gl.arange(0, KC, layout=vec)
     s = gl.zeros([G4, HEADS], gl.float32, mma)
-    zq = gl.zeros([HEADS], gl.float32, gl.SliceLayout(0, cols))
     for c in gl.static_range(D // KC):
         # the plane is stored chunk by chunk (layout.py): chunk c is G4 rows of KC bytes
         x = gl.load(klow_ptr + kpage * (G4 * D) + c * (G4 * KC) + r * KC + k)
         scale = gl.load(kscale_ptr + kpage * D + c * KC + d)
         zero = gl.load(kzero_ptr + kpage * D + c * KC + d)
-        zq += gl.sum(q16[c].to(gl.float32) * zero.to(gl.float32)[:, None], axis=0)
+        s = mma_v2(ones, _b_operand(_mul2(q16[c], zero[:, None]), KC), s)
         s = mma_v2(_a_operand(_field(x, mask), G4, KC), _b_operand(_mul2(q16[c], scale[:, None]), KC), s)
     if NB > 0:
         # boosted channels: + 4 * (q_c * scale_c) * high_c over the NB channels of the high plane
@@ -115,40 +117,36 @@ def _page_scores(kpage, quarter, q16, q_rows, live, klow_ptr, khigh_ptr, kch_ptr
             b = (q_ch * gl.convert_layout(live, hcols) * ((4.0 * Q_SCALE) * ch_scale)[:, None]).to(DOT)
             x = gl.load(khigh_ptr + kpage * (G4 * NB) + c * (G4 * NBC) + rh * NBC + kh)
             s = mma_v2(_a_operand(_field(x, hmask), G4, NBC), _b_operand(b, NBC), s)
-    return s, gl.convert_layout(zq, gl.SliceLayout(0, mma))
+    return s
 
 
 @gluon.jit
-def _row_scores(ptr, first, n_valid, qrow, D: gl.constexpr, T: gl.constexpr):
-    """q . key of T 16-bit key rows first .. first + T - 1 of the (rows, D) buffer at ptr, those from n_valid on read
-    as zeros: (T, HEADS) fp32. qrow: the queries (times live) in the rows' type, chunks (KC, HEADS) in
-    _cols_layout(KC). Each thread loads KC / 4 contiguous elements of a row (16 bytes), which are the first
-    operand's columns in the order _b_operand gives the second's rows."""
+def _row_scores(k_s, qrow, D: gl.constexpr, T: gl.constexpr):
+    """q . key of the T 16-bit key rows in k_s (T, D): (T, HEADS) fp32. qrow: the queries (times live) in the rows'
+    type, chunks (KC, HEADS) as second operands. The rows come from shared memory by ldmatrix, straight into the
+    first operand's registers (loaded from global memory into registers, every product's operand took 4 moves)."""
     mma: gl.constexpr = _mma()
-    rows: gl.constexpr = _rows_layout(KC)
-    t = gl.arange(0, T, layout=gl.SliceLayout(1, rows))[:, None]
-    k = gl.arange(0, KC, layout=gl.SliceLayout(0, rows))[None, :]
+    a: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
     s = gl.zeros([T, HEADS], gl.float32, mma)
     for c in gl.static_range(D // KC):
-        x = gl.load(ptr + (first + t).to(gl.int64) * D + c * KC + k, mask=t < n_valid, other=0.0)
-        s = mma_v2(_a_operand(x, T, KC), _b_operand(qrow[c], KC), s)
+        s = mma_v2(k_s.slice(c * KC, KC, dim=1).load(a), qrow[c], s)
     return s
 
 
 @gluon.constexpr_function
-def _value_rows_layout(D):
-    """A (T, D) tile of 16-bit value rows: 8 contiguous elements (16 bytes) a thread."""
+def _rows_copy_layout(D):
+    """A (T, D) tile of 16-bit rows: 8 contiguous elements (16 bytes) a thread."""
     return gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [1, 1], [1, 0])
 
 
 @gluon.jit
-def _copy_value_rows(v_s, ptr, first, n_valid, D: gl.constexpr, T: gl.constexpr):
-    """cp.async of 16-bit value rows first .. first + T - 1 of the (rows, D) buffer at ptr into v_s (T, D); rows
-    from n_valid on are written as zeros (p is 0 there, and 0 * NaN is not)."""
-    lay: gl.constexpr = _value_rows_layout(D)
+def _copy_rows(buf, ptr, first, n_valid, D: gl.constexpr, T: gl.constexpr):
+    """cp.async of 16-bit rows first .. first + T - 1 of the (rows, D) buffer at ptr into buf (T, D), one group;
+    rows from n_valid on are written as zeros (a value row's p is 0 there, and 0 * NaN is not)."""
+    lay: gl.constexpr = _rows_copy_layout(D)
     t = gl.arange(0, T, layout=gl.SliceLayout(1, lay))[:, None]
     c = gl.arange(0, D, layout=gl.SliceLayout(0, lay))[None, :]
-    async_copy.async_copy_global_to_shared(v_s, ptr + (first + t).to(gl.int64) * D + c,
+    async_copy.async_copy_global_to_shared(buf, ptr + (first + t).to(gl.int64) * D + c,
                                            mask=(t < n_valid) & (c < D))
     async_copy.commit_group()
 
@@ -211,8 +209,10 @@ def _rest_gluon_kernel(
     q16 = ()
     for c in gl.static_range(D // KC):
         qc = gl.load(q_rows + c * KC + d).to(gl.float32) * live
-        qrow = qrow + (qc.to(kfp_ptr.dtype.element_ty),)
+        qrow = qrow + (gl.convert_layout(qc.to(kfp_ptr.dtype.element_ty), gl.DotOperandLayout(1, mma, 2)),)
         q16 = q16 + ((qc * Q_SCALE).to(DOT),)
+    # a block's 16-bit key rows and value rows, by cp.async
+    k_s = gl.allocate_shared_memory(kfp_ptr.dtype.element_ty, [T, D], gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
     v_s = gl.allocate_shared_memory(vfp_ptr.dtype.element_ty, [T, D], gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
 
     tokens = gl.arange(0, T, layout=gl.SliceLayout(1, mma))
@@ -235,16 +235,26 @@ def _rest_gluon_kernel(
             # tokens that exist: in the sink, or in the sequence
             n_valid = gl.where(in_sink, sink_len - j * T, length - S - slot * G - quarter * T)
             valid = tokens < n_valid
-            # keys: a key page's token quarter, or 16-bit rows
-            if (j >= n_sink) & (slot < nkp):
-                kpage = gl.load(ktab_ptr + b * KMP + slot).to(gl.int64) * H + h
-                s, zq = _page_scores(kpage, quarter, q16, q_rows, live, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
-                                     kzero_ptr, D, G, NB)
-                weight = qk_scale * (1.0 / Q_SCALE)
-                scores = s * (weight * (1 << (24 - 2 * quarter)).to(gl.float32)) + (zq * weight)[None, :]
-            else:
+            key_page = (j >= n_sink) & (slot < nkp)
+            value_page = (j >= n_sink) & (slot < nvp)
+            # the block's 16-bit rows first, so that their latency is spent on a key page's arithmetic
+            _BARRIER()                              # every lane has read the previous block's rows
+            if not value_page:
+                vrow = gl.where(in_sink, j * T, S + (slot - nvp) * G + quarter * T)
+                _copy_rows(v_s, vfp_ptr + kv_head * CV * D, vrow, n_valid, D, T)
+            if not key_page:
                 krow = gl.where(in_sink, j * T, S + (slot - nkp) * G + quarter * T)
-                scores = _row_scores(kfp_ptr + kv_head * CK * D, krow, n_valid, qrow, D, T) * qk_scale
+                _copy_rows(k_s, kfp_ptr + kv_head * CK * D, krow, n_valid, D, T)
+            # keys: a key page's token quarter, or 16-bit rows
+            if key_page:
+                kpage = gl.load(ktab_ptr + b * KMP + slot).to(gl.int64) * H + h
+                s = _page_scores(kpage, quarter, q16, q_rows, live, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
+                                 kzero_ptr, D, G, NB)
+                scores = s * (qk_scale * (1.0 / Q_SCALE) * (1 << (24 - 2 * quarter)).to(gl.float32))
+            else:
+                async_copy.wait_group(0)
+                _BARRIER()                          # every lane's copies have landed
+                scores = _row_scores(k_s, qrow, D, T) * qk_scale
             scores = gl.where(valid[:, None], scores, float("-inf"))
             # the online softmax
             m_new = gl.maximum(m_i, gl.max(scores, axis=0))
@@ -257,7 +267,7 @@ def _rest_gluon_kernel(
             acc3 = acc3 * alpha[None, :]
             m_i = m_new
             # values: a value page's token quarter, or 16-bit rows
-            if (j >= n_sink) & (slot < nvp):
+            if value_page:
                 vpage = gl.load(vtab_ptr + b * VMP + slot).to(gl.int64) * H + h
                 vt = gl.arange(0, T, layout=gl.SliceLayout(1, tcols))
                 pc = gl.convert_layout(prob, tcols)
@@ -282,11 +292,8 @@ def _rest_gluon_kernel(
                     acc2 = _page_value_products(codes, pv4, acc2, 2, D4, T)
                     acc3 = _page_value_products(codes, pv4, acc3, 3, D4, T)
             else:
-                vrow = gl.where(in_sink, j * T, S + (slot - nvp) * G + quarter * T)
-                _BARRIER()                          # every lane has read the previous block's rows
-                _copy_value_rows(v_s, vfp_ptr + kv_head * CV * D, vrow, n_valid, D, T)
                 async_copy.wait_group(0)
-                _BARRIER()                          # ... and every lane's copies have landed
+                _BARRIER()                          # every lane's copies have landed
                 pb = gl.convert_layout(prob.to(vfp_ptr.dtype.element_ty), gl.DotOperandLayout(1, mma, 2))
                 a: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
                 acc0 = mma_v2(v_s.slice(0, D4, dim=1).permute([1, 0]).load(a), pb, acc0)
