@@ -146,7 +146,8 @@ def _copy_rows(buf, ptr, first, n_valid, D: gl.constexpr, T: gl.constexpr):
     lay: gl.constexpr = _rows_copy_layout(D)
     t = gl.arange(0, T, layout=gl.SliceLayout(1, lay))[:, None]
     c = gl.arange(0, D, layout=gl.SliceLayout(0, lay))[None, :]
-    async_copy.async_copy_global_to_shared(buf, ptr + (first + t).to(gl.int64) * D + c,
+    # a scalar base and the same 32-bit offsets every block (t * D + c), so that an address is one 64-bit add
+    async_copy.async_copy_global_to_shared(buf, ptr + first.to(gl.int64) * D + (t * D + c),
                                            mask=(t < n_valid) & (c < D))
     async_copy.commit_group()
 
