@@ -62,9 +62,9 @@ import triton.testing
 
 # on a CPU: Triton interpreted
 from kernels.decode_attention import (FOLDED_KERNEL, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
-                                      REST_KERNELS, ROWS_KERNEL, DecodeWorkspace, check_kernel, choose_kernel, decode_attention,
-                                      decode_launches, default_splits, gluon_maxnreg, is_gluon, multiprocessors,
-                                      resident_programs, split_count)
+                                      REST_KERNELS, ROWS_KERNEL, DecodeWorkspace, check_kernel, choose_kernel,
+                                      decode_attention, decode_launches, default_splits, gluon_maxnreg, is_gluon,
+                                      multiprocessors, resident_programs, split_count)
 from kernels.decode_rest import BLOCK_ORDERS, KEY_READS, TIMES_ROW, rest_blocks, rest_parts
 from kernels.layout import key_page_bytes, value_page_bytes
 
@@ -271,7 +271,8 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "rest-blocks", "rest-keys", "rest-order", "rest-prefetch", "rest-kernel", "pdl", "i8", "loads",
+               "rest-pdl", "rest-blocks", "rest-keys", "rest-order", "rest-prefetch", "rest-kernel", "pdl", "i8",
+               "loads",
                "timeline", "pad", "experiments")
 
 
@@ -369,8 +370,11 @@ def bench_tune(args) -> dict:
                                     for t in (False, "call") for o in BLOCK_ORDERS],
                   # ... and each kernel of theirs (decode_attention.REST_KERNELS: Triton's 2-warp programs, Gluon's
                   # one-warp ones) in each order, and a call's timeline with each
+                  # (the Gluon one at its default cap, 168, and at the compiler's choice)
                   "rest-kernel": [{**gluon(cap), "pdl": True, "rest_kernel": k, "rest_order": o, "timeline": t}
-                                  for t in (False, "call") for k in REST_KERNELS for o in BLOCK_ORDERS],
+                                  for t in (False, "call") for k in REST_KERNELS for o in BLOCK_ORDERS]
+                  + [{**gluon(cap), "pdl": True, "rest_kernel": "gluon", "rest_order": o, "rest_maxnreg": 255}
+                     for o in BLOCK_ORDERS],
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and
                   # chained by programmatic dependent launch (decode_launches' pdl)
                   "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],

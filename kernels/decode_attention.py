@@ -769,7 +769,8 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     decode_rest.BLOCK_ORDERS (default REST_ORDER); rest_prefetch: whether each of their programs first asks for a
     share of its sequence's 16-bit rows to be brought into L2 (default REST_PREFETCH); rest_kernel: their kernel, one
     of REST_KERNELS (default REST_KERNEL; "gluon" where decode_rest_gluon.supports takes the launch, else the Triton
-    kernel, whose rest_warps, rest_maxnreg, rest_keys and rest_prefetch the Gluon kernel has no use for). pdl: the
+    kernel, whose rest_warps, rest_keys and rest_prefetch the Gluon kernel has no use for; its rest_maxnreg defaults to
+    decode_rest_gluon.MAXNREG). pdl: the
     three launches
     chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its buffers are reused
     (see DecodeWorkspace); without, they are allocated per call."""
@@ -847,6 +848,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         rest_keys = choose_rest_keys(rest_blocks, bsz * h * rest, multiprocessors(q.device))
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
+    explicit_rest_maxnreg = rest_maxnreg             # the Gluon remaining blocks' cap if given (else theirs)
     if rest_maxnreg is None:
         rest_maxnreg = default_rest_maxnreg(rest_warps, rest_blocks)
     workspace = workspace or DecodeWorkspace()
@@ -868,7 +870,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     def remaining():
         if gluon_rest:
             decode_rest_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, pdl, rest_blocks,
-                                     times[1] if times else None, rest_order)
+                                     times[1] if times else None, rest_order, explicit_rest_maxnreg)
         else:
             launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
                         rest_blocks, times[1] if times else None, rest_keys, rest_order, rest_prefetch)

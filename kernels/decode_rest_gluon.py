@@ -345,11 +345,21 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first
     return args, constants
 
 
+# launch's register cap by default: a program then fits in the registers of one ended paged program (one warp at 168,
+# decode_attention.GLUON_MAXNREG), where the compiler's choice, 255, took those of two; without spills (kernels.
+# sass_profile --kernel rest-gluon --maxnreg 168: about 3 % more instructions). Not measured yet: bench tune --vary
+# rest-kernel runs both
+MAXNREG = 168
+
+
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, pdl: bool = False,
-           blocks_per_program: int = 1, times: torch.Tensor | None = None, order: str = "runs") -> None:
+           blocks_per_program: int = 1, times: torch.Tensor | None = None, order: str = "runs",
+           maxnreg: int | None = None) -> None:
     """Run _rest_gluon_kernel (see kernel_arguments) for every sequence and KV head, one warp a program,
-    blocks_per_program blocks each; pdl, times: decode_rest.launch_rest's."""
+    blocks_per_program blocks each, at a register cap (default MAXNREG; 255: the compiler's choice); pdl, times:
+    decode_rest.launch_rest's."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, first_part, pdl, blocks_per_program, order)
     grid = (q.shape[0], kv.k_fp.shape[1], rest_parts(kv, blocks_per_program))
+    maxnreg = maxnreg or MAXNREG
     _rest_gluon_kernel[grid](*args, **constants, times_ptr=times, num_warps=1,
-                             **({"launch_pdl": True} if pdl else {}))
+                             **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

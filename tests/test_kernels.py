@@ -582,8 +582,8 @@ def test_remaining_blocks_any_number_a_program(blocks, order):
         decode_attention(q, kv, 64 ** -0.5, rest_order="random")
 
 
-# Shapes of the remaining blocks' Gluon kernel (pages of 128, queries of the rows' type): GLUON_CASES' with pages of 128,
-# a 16-bit key side (every value page a remaining block: their codes' branch) and 4-bit keys and values (all 128
+# Shapes of the remaining blocks' Gluon kernel (pages of 128, queries of the rows' type): GLUON_CASES' with pages of
+# 128, a 16-bit key side (every value page a remaining block: their codes' branch) and 4-bit keys and values (all 128
 # channels boosted: 4 chunks of the high plane)
 REST_GLUON_CASES = [case for case in GLUON_CASES if case[7] == 128] + [
     ([700, 129, 33], 2, 128, 4, 16, 2, 32, 128, 128, 0, torch.bfloat16),
@@ -634,7 +634,7 @@ def test_rest_gluon_matches_reference(case):
         assert rel_err(out, ref) <= max(1.25 * triton_err, tol / 4), f"{setting}: {rel_err(out, ref):.2e}"
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the kernel is compiled for real by test_rest_gluon_matches_reference")
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU test_rest_gluon_matches_reference compiles the kernel for real")
 def test_rest_gluon_kernel_compiles_for_its_shapes():
     """Without a GPU: decode_rest_gluon's kernel compiles for sm_90 at every REST_GLUON_CASES shape, one block a
     program and 5 strided with PDL and the timeline's stores, without spills, in one warp's registers; where it
