@@ -374,7 +374,10 @@ def bench_tune(args) -> dict:
                   "rest-kernel": [{**gluon(cap), "pdl": True, "rest_kernel": k, "rest_order": o, "timeline": t}
                                   for t in (False, "call") for k in REST_KERNELS for o in BLOCK_ORDERS]
                   + [{**gluon(cap), "pdl": True, "rest_kernel": "gluon", "rest_order": o, "rest_maxnreg": 255}
-                     for o in BLOCK_ORDERS],
+                     for o in BLOCK_ORDERS]
+                  # ... and at fewer blocks a program (one warp's chain of blocks is a Gluon program's latency)
+                  + [{**gluon(cap), "pdl": True, "rest_kernel": "gluon", "rest_blocks": n, "timeline": t}
+                     for n, t in ((1, False), (2, False), (3, False), (1, "call"))],
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and
                   # chained by programmatic dependent launch (decode_launches' pdl)
                   "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
