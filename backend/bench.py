@@ -442,6 +442,7 @@ def bench_tune(args) -> dict:
                                          device=device)
                 run = decode_launches(q, kv, d ** -0.5, num_splits=setting["splits"], maxnreg=setting["maxnreg"],
                                       kernel=setting["kernel"], pdl=True, times=(times, rest_times),
+                                      rest_blocks=setting["rest_blocks"],
                                       rest_order=setting["rest_order"], rest_prefetch=setting["rest_prefetch"],
                                       rest_kernel=setting["rest_kernel"])
             if setting["loads"]:
