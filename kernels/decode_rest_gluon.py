@@ -121,15 +121,22 @@ def _page_scores(kpage, quarter, q16, q_rows, live, klow_ptr, khigh_ptr, kch_ptr
 
 
 @gluon.jit
-def _row_scores(k_s, qrow, D: gl.constexpr, T: gl.constexpr):
-    """q . key of the T 16-bit key rows in k_s (T, D): (T, HEADS) fp32. qrow: the queries (times live) in the rows'
-    type, chunks (KC, HEADS) as second operands. The rows come from shared memory by ldmatrix, straight into the
-    first operand's registers (loaded from global memory into registers, every product's operand took 4 moves)."""
+def _row_scores(ptr, first, n_valid, qrow, D: gl.constexpr, T: gl.constexpr):
+    """q . key of T 16-bit key rows first .. first + T - 1 of the (rows, D) buffer at ptr, those from n_valid on read
+    as zeros: (T, HEADS) fp32. qrow: the queries (times live) in the rows' type, chunks (KC, HEADS) in
+    _cols_layout(KC). Each thread loads KC / 4 contiguous elements of a row (16 bytes), which are the first
+    operand's columns in the order _b_operand gives the second's rows (4 register moves a product: the fragment
+    pairs rows r and r + 8). Not through shared memory by ldmatrix: that took 8 KB more a program, and a program's
+    shared memory decides whether it may start beside the paged programs (see _rest_gluon_kernel)."""
     mma: gl.constexpr = _mma()
-    a: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    rows: gl.constexpr = _rows_layout(KC)
+    t = gl.arange(0, T, layout=gl.SliceLayout(1, rows))[:, None]
+    k = gl.arange(0, KC, layout=gl.SliceLayout(0, rows))[None, :]
+    base = ptr + first.to(gl.int64) * D
     s = gl.zeros([T, HEADS], gl.float32, mma)
     for c in gl.static_range(D // KC):
-        s = mma_v2(k_s.slice(c * KC, KC, dim=1).load(a), qrow[c], s)
+        x = gl.load(base + (t * D + c * KC + k), mask=t < n_valid, other=0.0)
+        s = mma_v2(_a_operand(x, T, KC), _b_operand(qrow[c], KC), s)
     return s
 
 
@@ -178,7 +185,12 @@ def _rest_gluon_kernel(
     block is T = G/4 tokens: the sink's, or one token quarter of a slot after the paged ones, its keys a key page's
     or 16-bit rows and its values a value page's or 16-bit rows. PDL and times_ptr: decode_rest._rest_kernel's (the
     merge may start at once, the grid's last program waits for the paged grid before it ends; each program's start,
-    end and multiprocessor)."""
+    end and multiprocessor).
+    Shared memory: 9 KB (the value rows' buffer). With the key rows' buffer too (17 KB), an H100 started the first of
+    these programs 22 us later beside the paged launch than the Triton kernel's (BENCHMARKS.md section 1, session
+    42): a hypothesis, not measured apart, is the multiprocessor's shared-memory carve-out, which the driver picks per
+    kernel by what its resident programs need (12 of 17 + 1 KB: 228 KB, past the paged programs' 12 of 15.5 KB) and
+    which programs of another carve-out do not share."""
     if times_ptr is not None:
         started = _globaltimer()
     if PDL:
@@ -210,10 +222,9 @@ def _rest_gluon_kernel(
     q16 = ()
     for c in gl.static_range(D // KC):
         qc = gl.load(q_rows + c * KC + d).to(gl.float32) * live
-        qrow = qrow + (gl.convert_layout(qc.to(kfp_ptr.dtype.element_ty), gl.DotOperandLayout(1, mma, 2)),)
+        qrow = qrow + (qc.to(kfp_ptr.dtype.element_ty),)
         q16 = q16 + ((qc * Q_SCALE).to(DOT),)
-    # a block's 16-bit key rows and value rows, by cp.async
-    k_s = gl.allocate_shared_memory(kfp_ptr.dtype.element_ty, [T, D], gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
+    # a block's 16-bit value rows, by cp.async
     v_s = gl.allocate_shared_memory(vfp_ptr.dtype.element_ty, [T, D], gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
 
     tokens = gl.arange(0, T, layout=gl.SliceLayout(1, mma))
@@ -238,14 +249,11 @@ def _rest_gluon_kernel(
             valid = tokens < n_valid
             key_page = (j >= n_sink) & (slot < nkp)
             value_page = (j >= n_sink) & (slot < nvp)
-            # the block's 16-bit rows first, so that their latency is spent on a key page's arithmetic
+            # the block's 16-bit value rows first, so that their latency is spent on its keys' arithmetic
             _BARRIER()                              # every lane has read the previous block's rows
             if not value_page:
                 vrow = gl.where(in_sink, j * T, S + (slot - nvp) * G + quarter * T)
                 _copy_rows(v_s, vfp_ptr + kv_head * CV * D, vrow, n_valid, D, T)
-            if not key_page:
-                krow = gl.where(in_sink, j * T, S + (slot - nkp) * G + quarter * T)
-                _copy_rows(k_s, kfp_ptr + kv_head * CK * D, krow, n_valid, D, T)
             # keys: a key page's token quarter, or 16-bit rows
             if key_page:
                 kpage = gl.load(ktab_ptr + b * KMP + slot).to(gl.int64) * H + h
@@ -253,9 +261,8 @@ def _rest_gluon_kernel(
                                  kzero_ptr, D, G, NB)
                 scores = s * (qk_scale * (1.0 / Q_SCALE) * (1 << (24 - 2 * quarter)).to(gl.float32))
             else:
-                async_copy.wait_group(0)
-                _BARRIER()                          # every lane's copies have landed
-                scores = _row_scores(k_s, qrow, D, T) * qk_scale
+                krow = gl.where(in_sink, j * T, S + (slot - nkp) * G + quarter * T)
+                scores = _row_scores(kfp_ptr + kv_head * CK * D, krow, n_valid, qrow, D, T) * qk_scale
             scores = gl.where(valid[:, None], scores, float("-inf"))
             # the online softmax
             m_new = gl.maximum(m_i, gl.max(scores, axis=0))
