@@ -189,8 +189,9 @@ def _rest_gluon_kernel(
     Shared memory: 9 KB (the value rows' buffer). With the key rows' buffer too (17 KB), an H100 started the first of
     these programs 22 us later beside the paged launch than the Triton kernel's (BENCHMARKS.md section 1, session
     42): a hypothesis, not measured apart, is the multiprocessor's shared-memory carve-out, which the driver picks per
-    kernel by what its resident programs need (12 of 17 + 1 KB: 228 KB, past the paged programs' 12 of 15.5 KB) and
-    which programs of another carve-out do not share."""
+    kernel by what its resident programs need (12 of 17 + 1 KB: 228 KB, past the 196 KB of the paged programs' 12 of
+    15.5 KB), if a program cannot start on a multiprocessor of a smaller carve-out than its kernel's before it
+    empties."""
     if times_ptr is not None:
         started = _globaltimer()
     if PDL:
