@@ -62,9 +62,9 @@ import triton.testing
 
 # on a CPU: Triton interpreted
 from kernels.decode_attention import (FOLDED_KERNEL, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
-                                      REST_KERNELS, ROWS_KERNEL, DecodeWorkspace, check_kernel, choose_kernel,
-                                      decode_attention, decode_launches, default_splits, gluon_maxnreg, is_gluon,
-                                      multiprocessors, resident_programs, split_count)
+                                      ROWS_KERNEL, DecodeWorkspace, check_kernel, choose_kernel, decode_attention,
+                                      decode_launches, default_splits, gluon_maxnreg, is_gluon, multiprocessors,
+                                      resident_programs, split_count)
 from kernels.decode_rest import BLOCK_ORDERS, KEY_READS, TIMES_ROW, rest_blocks, rest_parts
 from kernels.layout import key_page_bytes, value_page_bytes
 
@@ -232,24 +232,21 @@ def bench_attention(args) -> dict:
             for method in methods:
                 layer = filled_layer(method, k, v)
                 kv = layer.paged()
-                for kernel, pdl, rest in itertools.product(args.kernels, PDL_CHOICES[args.pdl], args.rest_kernels):
-                    launches = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=pdl,
-                                               rest_kernel=rest)
+                for kernel, pdl in ((k, p) for k in args.kernels for p in PDL_CHOICES[args.pdl]):
+                    launches = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=pdl)
                     err = (launches().float() - reference).abs().max().item()  # vs exact FP16: quantization error
                     seconds = median_seconds(launches, args.quick)
                     # each of the call's three launches alone (the remaining blocks, the paged slots, the merge), on
                     # the buffers of the call just made: what the call's time is made of, and its gaps. Launched
                     # without PDL: replays of one launch chained by PDL would overlap each other
-                    alone = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=False,
-                                            rest_kernel=rest)
+                    alone = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=False)
                     alone()
                     parts_us = {f"{part}_us": median_seconds(getattr(alone, part), args.quick) * 1e6
                                 for part in ("remaining", "paged", "merge")}
-                    name = ((method if kernel == "auto" else f"{method}/{kernel}")
-                            + {None: "", False: "-pdl", True: "+pdl"}[pdl] + (f"+rest-{rest}" if rest else ""))
+                    name = (method if kernel == "auto" else f"{method}/{kernel}") + {None: "", False: "-pdl",
+                                                                                      True: "+pdl"}[pdl]
                     ran = choose_kernel(q, kv) if kernel == "auto" else kernel      # what "auto" took
                     rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, pdl=pdl, ran=ran,
-                                     rest_kernel=rest,
                                      us=seconds * 1e6, **parts_us, gbs=bytes_read(layer) / seconds / 1e9,
                                      vs_sdpa=sdpa_s / seconds, max_err=err))
                 del layer, kv
@@ -271,8 +268,7 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "rest-blocks", "rest-keys", "rest-order", "rest-prefetch", "rest-kernel", "pdl", "i8",
-               "loads",
+               "rest-pdl", "rest-blocks", "rest-keys", "rest-order", "rest-prefetch", "pdl", "i8", "loads",
                "timeline", "pad", "experiments")
 
 
@@ -280,7 +276,7 @@ TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits",
 # kernel at MAXNREG, the remaining blocks' defaults, no PDL, the whole launch, no timeline or padding
 TUNE_DEFAULTS = dict(warps=1, stages=3, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False, loads=None,
                      rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None, rest_keys=None,
-                     rest_order=None, rest_prefetch=None, rest_kernel=None)
+                     rest_order=None, rest_prefetch=None)
 
 
 def bench_tune(args) -> dict:
@@ -368,16 +364,6 @@ def bench_tune(args) -> dict:
                   # (decode_rest's PREFETCH), in each order, and a call's timeline with it
                   "rest-prefetch": [{**gluon(cap), "pdl": True, "rest_order": o, "rest_prefetch": True, "timeline": t}
                                     for t in (False, "call") for o in BLOCK_ORDERS],
-                  # ... and each kernel of theirs (decode_attention.REST_KERNELS: Triton's 2-warp programs, Gluon's
-                  # one-warp ones) in each order, and a call's timeline with each
-                  # (the Gluon one at its default cap, 168, and at the compiler's choice)
-                  "rest-kernel": [{**gluon(cap), "pdl": True, "rest_kernel": k, "rest_order": o, "timeline": t}
-                                  for t in (False, "call") for k in REST_KERNELS for o in BLOCK_ORDERS]
-                  + [{**gluon(cap), "pdl": True, "rest_kernel": "gluon", "rest_order": o, "rest_maxnreg": 255}
-                     for o in BLOCK_ORDERS]
-                  # ... and at fewer blocks a program (one warp's chain of blocks is a Gluon program's latency)
-                  + [{**gluon(cap), "pdl": True, "rest_kernel": "gluon", "rest_blocks": n, "timeline": t}
-                     for n, t in ((1, False), (2, False), (3, False), (1, "call"))],
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and
                   # chained by programmatic dependent launch (decode_launches' pdl)
                   "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
@@ -430,8 +416,7 @@ def bench_tune(args) -> dict:
                                            rest_maxnreg=setting["rest_maxnreg"],
                                            rest_blocks=setting["rest_blocks"], rest_keys=setting["rest_keys"],
                                            rest_order=setting["rest_order"],
-                                           rest_prefetch=setting["rest_prefetch"],
-                                           rest_kernel=setting["rest_kernel"])
+                                           rest_prefetch=setting["rest_prefetch"])
             times = None
             if setting["timeline"]:
                 times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64,
@@ -443,8 +428,7 @@ def bench_tune(args) -> dict:
                 run = decode_launches(q, kv, d ** -0.5, num_splits=setting["splits"], maxnreg=setting["maxnreg"],
                                       kernel=setting["kernel"], pdl=True, times=(times, rest_times),
                                       rest_blocks=setting["rest_blocks"],
-                                      rest_order=setting["rest_order"], rest_prefetch=setting["rest_prefetch"],
-                                      rest_kernel=setting["rest_kernel"])
+                                      rest_order=setting["rest_order"], rest_prefetch=setting["rest_prefetch"])
             if setting["loads"]:
                 run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
                                  setting["pad"], setting["timeline"] == "waits", setting["kernel"])
@@ -1296,9 +1280,6 @@ def main(argv=None) -> int:
     parser.add_argument("--pdl", choices=list(PDL_CHOICES), default="default",
                         help="attention: decode_attention's pdl (its three launches chained by programmatic dependent "
                              "launch): its default, off, on or both, each measured")
-    parser.add_argument("--rest-kernels", nargs="*", choices=REST_KERNELS, default=[None],
-                        help="attention: the remaining blocks' kernels, each measured (decode_attention's rest_kernel; "
-                             "default: its default, REST_KERNEL)")
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--prompt", type=int, help="generate: prompt tokens; turn: the longest first turn; quality: "
                         "tokens of the bundled text (default 1,040)")

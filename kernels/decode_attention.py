@@ -679,13 +679,6 @@ REST_ORDER = "runs"
 # DRAM once rather than once a block (False until the H200 measures it: bench tune --vary rest-prefetch)
 REST_PREFETCH = False
 
-# decode_launches' rest_kernel by default: the remaining blocks' kernel, "triton" (kernels/decode_rest.py) or "gluon"
-# (kernels/decode_rest_gluon.py: one-warp programs, the heads on the products' columns; pages of 128, the launches
-# decode_rest_gluon.supports takes, else the Triton kernel). "triton" until the H200 measures "gluon" (bench tune
-# --vary rest-kernel)
-REST_KERNELS = ("triton", "gluon")
-REST_KERNEL = "triton"
-
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1,
                 sm_count: int | None = None) -> int:
@@ -750,8 +743,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
                      maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                      pdl: bool | None = None, rest_maxnreg: int | None = None,
                      rest_blocks: int | None = None, rest_keys: str | None = None,
-                     rest_order: str | None = None, rest_prefetch: bool | None = None,
-                     rest_kernel: str | None = None) -> torch.Tensor:
+                     rest_order: str | None = None, rest_prefetch: bool | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches (decode_launches): the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers)
     and the merge of their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default:
@@ -767,16 +759,12 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     decode_rest.rest_blocks_per_program). rest_keys: how the remaining blocks of a key page read its codes, one of
     decode_rest.KEY_READS or "auto" (default REST_KEYS); rest_order: which blocks a program of several takes, one of
     decode_rest.BLOCK_ORDERS (default REST_ORDER); rest_prefetch: whether each of their programs first asks for a
-    share of its sequence's 16-bit rows to be brought into L2 (default REST_PREFETCH); rest_kernel: their kernel, one
-    of REST_KERNELS (default REST_KERNEL; "gluon" where decode_rest_gluon.supports takes the launch, else the Triton
-    kernel, whose rest_warps, rest_keys and rest_prefetch the Gluon kernel has no use for; its rest_maxnreg defaults to
-    decode_rest_gluon.MAXNREG). pdl: the
-    three launches
+    share of its sequence's 16-bit rows to be brought into L2 (default REST_PREFETCH). pdl: the three launches
     chained by programmatic dependent launch (decode_launches; default PDL). With a workspace, its buffers are reused
     (see DecodeWorkspace); without, they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
                            rest_warps, pdl, rest_maxnreg, rest_blocks, rest_keys=rest_keys,
-                           rest_order=rest_order, rest_prefetch=rest_prefetch, rest_kernel=rest_kernel)()
+                           rest_order=rest_order, rest_prefetch=rest_prefetch)()
 
 
 @dataclass
@@ -803,7 +791,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
                     pdl: bool | None = None, rest_maxnreg: int | None = None,
                     rest_blocks: int | None = None, times: tuple | None = None,
                     rest_keys: str | None = None, rest_order: str | None = None,
-                    rest_prefetch: bool | None = None, rest_kernel: str | None = None) -> DecodeLaunches:
+                    rest_prefetch: bool | None = None) -> DecodeLaunches:
     """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
     the merge, with the kernel, split, register cap and warps resolved as it resolves them.
 
@@ -825,9 +813,6 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     if rest_order not in BLOCK_ORDERS:
         raise ValueError(f"rest_order {rest_order!r}: choose one of {', '.join(BLOCK_ORDERS)}")
     rest_prefetch = REST_PREFETCH if rest_prefetch is None else rest_prefetch
-    rest_kernel = REST_KERNEL if rest_kernel is None else rest_kernel
-    if rest_kernel not in REST_KERNELS:
-        raise ValueError(f"rest_kernel {rest_kernel!r}: choose one of {', '.join(REST_KERNELS)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
@@ -848,7 +833,6 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
         rest_keys = choose_rest_keys(rest_blocks, bsz * h * rest, multiprocessors(q.device))
     if rest_warps is None:
         rest_warps = default_rest_warps(bsz * h * rest, multiprocessors(q.device))
-    explicit_rest_maxnreg = rest_maxnreg             # the Gluon remaining blocks' cap if given (else theirs)
     if rest_maxnreg is None:
         rest_maxnreg = default_rest_maxnreg(rest_warps, rest_blocks)
     workspace = workspace or DecodeWorkspace()
@@ -862,18 +846,9 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     # 1-3 us faster at three of six shapes and as much slower at the other three; as programs of the Gluon kernel's
     # launch, slower at all six; first, with the paged kernel started beside them by PDL, 2 us slower at batch 1 /
     # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
-    gluon_rest = False
-    if rest_kernel == "gluon":
-        from . import decode_rest_gluon
-        gluon_rest = decode_rest_gluon.supports(q, kv)
-
     def remaining():
-        if gluon_rest:
-            decode_rest_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, pdl, rest_blocks,
-                                     times[1] if times else None, rest_order, explicit_rest_maxnreg)
-        else:
-            launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
-                        rest_blocks, times[1] if times else None, rest_keys, rest_order, rest_prefetch)
+        launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
+                    rest_blocks, times[1] if times else None, rest_keys, rest_order, rest_prefetch)
 
     if is_gluon(kernel):
         from . import decode_gluon

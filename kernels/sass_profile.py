@@ -94,25 +94,6 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
                     {"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else None)
 
 
-def compile_rest_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
-                              arch: int = 90, pdl: bool = False, blocks_per_program: int = 1, order: str = "runs",
-                              maxnreg: int | None = None):
-    """The remaining blocks' Gluon kernel (kernels/decode_rest_gluon.py, decode_attention's rest_kernel="gluon") for
-    the same example cache as compile_split_kernel, its programs taking blocks_per_program blocks each."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from kernels.decode_rest import rest_parts
-    from kernels.decode_rest_gluon import _rest_gluon_kernel, kernel_arguments
-    kv = example_paged_kv(method, heads, head_dim, dtype)
-    q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
-    n = rest_parts(kv, blocks_per_program)
-    parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
-             torch.zeros(1, heads * group, n))
-    args, constants = kernel_arguments(q, kv, 1.0, parts, 0, pdl, blocks_per_program, order)
-    return _compile(GluonASTSource, _rest_gluon_kernel, args, {**constants, "times_ptr": None}, arch,
-                    {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg and maxnreg < 255 else {})})
-
-
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
                          pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
@@ -270,12 +251,12 @@ def _loop_bodies(lines: list[str]) -> list[list[str]]:
 
 
 def _kernel_name(kernel: str) -> str:
-    """--kernel's type: "rest", "rest-gluon", or a kernel decode_attention takes other than "auto" (argparse reports
-    the ValueError)."""
+    """--kernel's type: "rest", or a kernel decode_attention takes other than "auto" (argparse reports the
+    ValueError)."""
     from kernels.decode_attention import kernel_parts
     if kernel == "auto":
         raise ValueError(kernel)
-    if kernel not in ("rest", "rest-gluon"):
+    if kernel != "rest":
         kernel_parts(kernel)
     return kernel
 
@@ -296,8 +277,7 @@ def main(argv=None) -> int:
                         help="decode_attention's kernel over the paged blocks (triton, or gluon*: "
                              "kernels/decode_gluon.py, with experiments as decode_attention takes them, "
                              "gluon-tma+zq-ahead ...), or the one over the remaining blocks (rest: "
-                             "kernels/decode_rest.py, with a loop over blocks only where --rest-blocks > 1; "
-                             "rest-gluon: kernels/decode_rest_gluon.py, one warp a program)")
+                             "kernels/decode_rest.py, with a loop over blocks only where --rest-blocks > 1)")
     parser.add_argument("--rest-blocks", type=int, default=1,
                         help="the rest kernel's blocks a program (decode_rest.rest_blocks_per_program: 1 compiles "
                              "without the loop over blocks)")
@@ -322,7 +302,7 @@ def main(argv=None) -> int:
         return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     for method in args.method:
-        if args.kernel not in ("rest", "rest-gluon") and is_gluon(args.kernel):
+        if args.kernel != "rest" and is_gluon(args.kernel):
             from backend.methods import method_config
             from kernels.decode_gluon import kernel_options
             options = kernel_options(args.kernel)
@@ -331,9 +311,6 @@ def main(argv=None) -> int:
                 continue
             compiled = compile_gluon_kernel(method, dtype, args.group, arch=args.arch, maxnreg=args.maxnreg or 255,
                                             **options)
-        elif args.kernel == "rest-gluon":
-            compiled = compile_rest_gluon_kernel(method, dtype, args.group, arch=args.arch,
-                                                 blocks_per_program=args.rest_blocks, maxnreg=args.maxnreg)
         elif args.kernel == "rest":
             compiled = compile_rest_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                            blocks_per_program=args.rest_blocks, maxnreg=args.maxnreg,

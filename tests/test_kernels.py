@@ -582,112 +582,6 @@ def test_remaining_blocks_any_number_a_program(blocks, order):
         decode_attention(q, kv, 64 ** -0.5, rest_order="random")
 
 
-# Shapes of the remaining blocks' Gluon kernel (pages of 128, queries of the rows' type): GLUON_CASES' with pages of
-# 128, a 16-bit key side (every value page a remaining block: their codes' branch) and 4-bit keys and values (all 128
-# channels boosted: 4 chunks of the high plane)
-REST_GLUON_CASES = [case for case in GLUON_CASES if case[7] == 128] + [
-    ([700, 129, 33], 2, 128, 4, 16, 2, 32, 128, 128, 0, torch.bfloat16),
-    ([600, 300], 2, 128, 3, 4, 4, 32, 128, 128, 128, torch.float16),
-]
-
-
-def poison_unused_rows(kv, lengths):
-    """NaN in every 16-bit buffer row that holds no token of its sequence: a kernel that reads one fails."""
-    s, g = kv.sink, kv.page_size
-    for b, length in enumerate(lengths):
-        sink = min(length, s)
-        for buffer, pages in ((kv.k_fp, kv.n_kpages), (kv.v_fp, kv.n_vpages)):
-            rows = max(0, length - sink - int(pages[b]) * g)
-            buffer[b, :, sink:s] = float("nan")
-            buffer[b, :, s + rows:] = float("nan")
-
-
-@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
-@pytest.mark.parametrize("case", REST_GLUON_CASES,
-                         ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}-k{c[4]}v{c[5]}-{c[9]}")
-def test_rest_gluon_matches_reference(case):
-    """The remaining blocks by decode_rest_gluon's kernel (decode_attention's rest_kernel="gluon") beside the default
-    paged kernel, at the default blocks a program (one here), 2 strided with PDL and all of a sequence's in one (100)
-    without: the reference's output within the Gluon paged kernel's tolerance, and about as close to it as with
-    the Triton kernel's remaining blocks. The partials are poisoned first (a program must write its partial even
-    when all its blocks are past its sequence's end) and every unused 16-bit row is NaN."""
-    from kernels import decode_rest_gluon
-    lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
-    kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
-                               v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
-    poison_unused_rows(kv, lengths)
-    q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
-    assert decode_rest_gluon.supports(q, kv)
-    ref = decode_attention_ref(q, kv, d ** -0.5)
-    tol = 2e-3 if dtype == torch.float16 else 1.5e-2
-    triton_err = rel_err(decode_attention(q, kv, d ** -0.5, rest_kernel="triton"), ref)
-    for blocks, order, pdl in [(None, "runs", None), (2, "strided", True), (100, "runs", False)]:
-        workspace = DecodeWorkspace()
-        splits = 2
-        for buffer in workspace.get(q, splits + rest_parts(kv, blocks or 1)):
-            buffer.fill_(float("nan"))
-        out = decode_attention(q, kv, d ** -0.5, num_splits=splits, workspace=workspace, rest_kernel="gluon",
-                               rest_blocks=blocks, rest_order=order, pdl=pdl)
-        setting = f"blocks={blocks}, {order}, pdl={pdl}"
-        assert torch.isfinite(out).all(), setting
-        assert rel_err(out, ref) < tol, f"{setting}: {rel_err(out, ref):.2e}"
-        assert rel_err(out, ref) <= max(1.25 * triton_err, tol / 4), f"{setting}: {rel_err(out, ref):.2e}"
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU test_rest_gluon_matches_reference compiles the kernel for real")
-def test_rest_gluon_kernel_compiles_for_its_shapes():
-    """Without a GPU: decode_rest_gluon's kernel compiles for sm_90 at every REST_GLUON_CASES shape, one block a
-    program and 5 strided with PDL and the timeline's stores, without spills, in one warp's registers; where it
-    does not take a launch (pages of 64, queries of another type than the rows') decode_attention keeps the Triton
-    kernel, and names outside REST_KERNELS are refused."""
-    from kernels.decode_attention import REST_KERNELS
-    from kernels.decode_rest_gluon import takes_shapes
-    code = textwrap.dedent(f"""
-        import sys
-        import torch
-        sys.path.insert(0, "tests")
-        from paged_factory import random_paged_kv
-        from triton.experimental.gluon._runtime import GluonASTSource
-        from kernels.decode_rest import TIMES_ROW, rest_parts
-        from kernels.decode_rest_gluon import _rest_gluon_kernel, kernel_arguments
-        from kernels.sass_profile import _compile, profile
-        rows = []
-        for lengths, h, d, group, kb, vb, sink, page, window, nb, dtype in {REST_GLUON_CASES!r}:
-            kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window,
-                                       k_bits=kb, v_bits=vb, n_boost=nb, dtype=dtype, seed=1)
-            q = torch.zeros(len(lengths), h * group, d, dtype=dtype)
-            for blocks, order, pdl, times in ((1, "runs", False, False), (5, "strided", True, True)):
-                n = rest_parts(kv, blocks)
-                parts = (torch.zeros(len(lengths), h * group, n, d), torch.zeros(len(lengths), h * group, n),
-                         torch.zeros(len(lengths), h * group, n))
-                args, constants = kernel_arguments(q, kv, 1.0, parts, 0, pdl, blocks, order)
-                named = {{"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)}} if times else None
-                compiled = _compile(GluonASTSource, _rest_gluon_kernel, args,
-                                    {{**constants, **({{}} if times else {{"times_ptr": None}})}}, 90,
-                                    {{"num_warps": 1}}, named)
-                row = profile(compiled)
-                rows.append((row["registers"], row["stack bytes"], row["matrix"]))
-        print(rows)
-    """)
-    run = compile_on_cpu(code, timeout=1200)
-    rows = eval(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == 2 * len(REST_GLUON_CASES), rows
-    assert all(registers <= 255 and stack == 0 and matrix > 0 for registers, stack, matrix in rows), rows
-    kv, _, _ = random_paged_kv([300, 17], heads=2, head_dim=64, sink=32, page_size=64, window=64, n_boost=8,
-                               dtype=torch.float16, seed=2)
-    assert not takes_shapes(torch.zeros(2, 4, 64, dtype=torch.float16), kv)              # pages of 64
-    kv, _, _ = random_paged_kv([300, 17], heads=2, head_dim=64, sink=32, page_size=128, window=128, n_boost=16,
-                               dtype=torch.float16, seed=2)
-    assert takes_shapes(torch.zeros(2, 4, 64, dtype=torch.float16), kv)
-    assert not takes_shapes(torch.zeros(2, 4, 64, dtype=torch.bfloat16), kv)            # queries of another type
-    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3)).half()
-    out = decode_attention(q, kv, 64 ** -0.5, rest_kernel="gluon")               # no GPU: the Triton kernel's
-    assert rel_err(out, decode_attention_ref(q, kv, 64 ** -0.5)) < 2e-3
-    assert REST_KERNELS == ("triton", "gluon")
-    with pytest.raises(ValueError, match="triton, gluon"):
-        decode_attention(q, kv, 64 ** -0.5, rest_kernel="cuda")
-
-
 def test_remaining_blocks_a_program_follow_the_launch_size():
     """One block a program while a launch has at most 8 blocks a multiprocessor (Qwen3-8B's kitty-pro, 9 blocks a
     sequence and KV head, 132 multiprocessors: batches 1-8) or its sequences fewer than REST_LOOP_PAGES pages (4K
@@ -872,16 +766,14 @@ def test_experiments_compile_with_the_products_they_say():
 
 
 def run_ptx(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
-    """The few 32-bit PTX instructions of the Gluon kernels' unpacking strings (and, mov, prmt, mad.lo; a scope's
-    .reg names), run on uint32 arrays: $0 .. $(outputs - 1) are the results, the inputs follow."""
+    """The few 32-bit PTX instructions of decode_gluon's unpacking strings (and, mov, prmt, mad.lo), run on
+    uint32 arrays: $0 .. $(outputs - 1) are the results, the inputs follow."""
     regs = {f"${outputs + i}": x.astype(np.uint64) for i, x in enumerate(inputs)}
 
     def value(operand):
-        return regs[operand] if operand in regs else np.uint64(int(operand, 0) & 0xFFFFFFFF)
+        return regs[operand] if operand.startswith("$") else np.uint64(int(operand, 0) & 0xFFFFFFFF)
 
-    for instruction in filter(None, (part.strip("{} ") for part in asm.split(";"))):
-        if instruction.startswith(".reg"):              # a scope's registers: names, which the dict takes as met
-            continue
+    for instruction in filter(None, (part.strip() for part in asm.split(";"))):
         op, operands = instruction.split(None, 1)
         dest, *args = [a.strip() for a in operands.split(",")]
         a = [value(x) for x in args]
@@ -929,24 +821,6 @@ def test_unpacking_strings_make_the_operands_they_say():
         expected = ((fields >> (2 * i)) & 3) * 4.0 ** i * 2.0 ** -24
         assert np.array_equal(operands(run_ptx(asm, [t, u], 2)), expected), i
     assert np.array_equal(operands(run_ptx(quarters[3], [t, u], 2)), fields * 2.0 ** -24)
-
-
-def test_rest_gluon_field_string_takes_one_field_of_every_byte():
-    """On the CPU, decode_rest_gluon's FIELD_ASM run on random code words by run_ptx's emulation: with the mask 3 << 2i
-    in every byte of its second input, each byte's field i as the fp16 operand code * 4^i * 2^-24 (subnormal: no
-    exponent bit set), bytes 0 and 2 in the first register and 1 and 3 in the second, as decode_gluon's quarters
-    pair them (layout.SWAP)."""
-    from kernels import decode_rest_gluon
-    words = np.random.default_rng(3).integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)
-    words[:2] = (0, 0xFFFFFFFF)
-    fields = (words[:, None] >> (8 * np.arange(4)).astype(np.uint32)) & 0xFF            # (word, byte)
-    for i in range(4):
-        masks = np.full_like(words, (3 << 2 * i) * 0x01010101)
-        first, second = run_ptx(decode_rest_gluon.FIELD_ASM.value, [words, masks], 2)
-        assert (np.concatenate([first, second]).view(np.uint16) & 0x7C00 == 0).all(), "an exponent bit set"
-        a, b = (r.view(np.float16).reshape(-1, 2).astype(np.float64) for r in (first, second))
-        got = np.stack([a[:, 0], b[:, 0], a[:, 1], b[:, 1]], axis=1)
-        assert np.array_equal(got, ((fields >> (2 * i)) & 3) * 4.0 ** i * 2.0 ** -24), i
 
 
 def test_the_page_unpacks_a_word_in_seven_integer_instructions():
