@@ -268,15 +268,15 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "rest-blocks", "rest-keys", "rest-order", "rest-prefetch", "pdl", "i8", "loads",
-               "timeline", "pad", "experiments")
+               "rest-pdl", "rest-blocks", "rest-keys", "rest-order", "pdl", "i8", "loads", "timeline", "pad",
+               "experiments")
 
 
 # A tune setting's fields but its split (which the shape decides), at the default launch: 1 warp, 3 stages, the Triton
 # kernel at MAXNREG, the remaining blocks' defaults, no PDL, the whole launch, no timeline or padding
 TUNE_DEFAULTS = dict(warps=1, stages=3, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False, loads=None,
                      rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None, rest_keys=None,
-                     rest_order=None, rest_prefetch=None)
+                     rest_order=None)
 
 
 def bench_tune(args) -> dict:
@@ -360,10 +360,6 @@ def bench_tune(args) -> dict:
                   "rest-order": [{**gluon(cap), "pdl": True, "rest_order": o, "rest_blocks": n, "timeline": t}
                                  for n, t in ((None, False), (3, False), (2, False), (None, "call"))
                                  for o in BLOCK_ORDERS],
-                  # ... and with each program's share of its sequence's 16-bit rows asked into L2 first
-                  # (decode_rest's PREFETCH), in each order, and a call's timeline with it
-                  "rest-prefetch": [{**gluon(cap), "pdl": True, "rest_order": o, "rest_prefetch": True, "timeline": t}
-                                    for t in (False, "call") for o in BLOCK_ORDERS],
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and
                   # chained by programmatic dependent launch (decode_launches' pdl)
                   "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
@@ -415,8 +411,7 @@ def bench_tune(args) -> dict:
                                            rest_warps=setting["rest_warps"], pdl=setting["pdl"],
                                            rest_maxnreg=setting["rest_maxnreg"],
                                            rest_blocks=setting["rest_blocks"], rest_keys=setting["rest_keys"],
-                                           rest_order=setting["rest_order"],
-                                           rest_prefetch=setting["rest_prefetch"])
+                                           rest_order=setting["rest_order"])
             times = None
             if setting["timeline"]:
                 times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64,
@@ -427,8 +422,7 @@ def bench_tune(args) -> dict:
                                          device=device)
                 run = decode_launches(q, kv, d ** -0.5, num_splits=setting["splits"], maxnreg=setting["maxnreg"],
                                       kernel=setting["kernel"], pdl=True, times=(times, rest_times),
-                                      rest_blocks=setting["rest_blocks"],
-                                      rest_order=setting["rest_order"], rest_prefetch=setting["rest_prefetch"])
+                                      rest_blocks=setting["rest_blocks"], rest_order=setting["rest_order"])
             if setting["loads"]:
                 run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
                                  setting["pad"], setting["timeline"] == "waits", setting["kernel"])

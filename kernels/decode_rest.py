@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
 from .layout import PagedKV, key_tile, key_tile_and_operand, value_tile
-from .unpack import field_asm, interpreted, unpacking
+from .unpack import field_asm, unpacking
 
 # int64 a program in a timeline's rows (bench tune --vary timeline), this kernel's and the Gluon paged kernel's
 # times_ptr, so that one reader takes both: start, end, multiprocessor, then (the paged kernel's, with WAITS) key and
@@ -268,22 +268,6 @@ def _rest_block(j, q, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_pt
     return tl.where(valid[None, :], scores, float("-inf")), values
 
 
-# PTX: bring the 128-byte line at $1 (a global address) into L2; $0 is the output Triton's elementwise asm needs
-PREFETCH_ASM = tl.constexpr("prefetch.global.L2 [$1]; mov.u32 $0, 0;")
-
-
-@triton.jit
-def _prefetch_rows(ptr, rows, part, parts, D: tl.constexpr, LINE: tl.constexpr, LINES_A_PROGRAM: tl.constexpr):
-    """Bring rows 0 .. rows - 1 of the (rows, D) buffer at ptr into L2, a line of LINE elements at a time: program
-    `part` of `parts` asks for every parts-th line from its own, LINES_A_PROGRAM lines at a time."""
-    LINES: tl.constexpr = (D + LINE - 1) // LINE
-    for first in range(part * LINES_A_PROGRAM, rows * LINES, parts * LINES_A_PROGRAM):
-        line = tl.minimum(first + tl.arange(0, LINES_A_PROGRAM), rows * LINES - 1)
-        ptrs = ptr + (line // LINES).to(tl.int64) * D + (line % LINES) * LINE
-        tl.inline_asm_elementwise(asm=PREFETCH_ASM, constraints="=r,l", args=[ptrs], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
 @triton.jit
 def _block_exists(j, n_sink, sink_len, n_paged, length, S: tl.constexpr, G: tl.constexpr, T: tl.constexpr):
     """Whether block j (as _rest_block numbers them) holds a token of the sequence."""
@@ -304,17 +288,14 @@ def _rest_kernel(
         BPP: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False,
-        KEYS: tl.constexpr = 0, ASM: tl.constexpr = 0, ORDER: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
-        times_ptr=None):
+        KEYS: tl.constexpr = 0, ASM: tl.constexpr = 0, ORDER: tl.constexpr = 0, times_ptr=None):
     """Program (b, h, p): BPP blocks (of the NBLK launched a sequence; _rest_block numbers them) of sequence b's
     remaining tokens for KV head h, p * BPP .. p * BPP + BPP - 1 (ORDER 0, BLOCK_ORDERS' "runs") or p, p + P, ... (1,
     "strided"; P programs a sequence), one after the other with a running softmax, written as part FIRST_PART + p.
     Blocks without a token of the sequence are skipped (a program with none writes an empty partial, max -inf, which
     the merge weighs 0). Why several blocks a program: where the launch has many programs, each one's queries, set-up
     and partial cost about as much as a block's arithmetic; one program a block keeps the latency low where the
-    launch is small or the paged launch short (rest_blocks_per_program). PREFETCH (the elements of a 128-byte line,
-    0: none): first, the program asks for its share of the sequence's 16-bit key and value rows to be brought into
-    L2 (_prefetch_rows), so that its blocks' loads find them there. PDL: launched beside
+    launch is small or the paged launch short (rest_blocks_per_program). PDL: launched beside
     the paged slots' kernel (decode_launches' pdl): the merge after it may start at once, and the grid's last
     program waits for the paged grid before it ends, so that this grid's end (what the merge waits for) means both
     are done. Only one program waits: while every program waited, the programs that had started held their
@@ -349,15 +330,11 @@ def _rest_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    if PREFETCH > 0:
-        # the sequence's 16-bit rows are each buffer's first rows: the sink's, then those after its pages; 64
-        # lines at a time, one a thread of a 2-warp program
-        key_rows = tl.minimum(tl.maximum(length - nkp * G, sink_len), CK)
-        value_rows = tl.minimum(tl.maximum(length - nvp * G, sink_len), CV)
-        _prefetch_rows(kfp_ptr + kv_head * CK * D, key_rows, p, tl.num_programs(2), D, PREFETCH, 64)
-        _prefetch_rows(vfp_ptr + kv_head * CV * D, value_rows, p, tl.num_programs(2), D, PREFETCH, 64)
     for i in range(BPP):
-        j = p * BPP + i if ORDER == 0 else p + i * tl.num_programs(2)
+        if ORDER == 0:
+            j = p * BPP + i
+        else:
+            j = p + i * tl.num_programs(2)
         if (j < NBLK) & _block_exists(j, n_sink, sink_len, n_paged, length, S, G, T):
             scores, values = _rest_block(j, q, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr,
                                          kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
@@ -388,13 +365,12 @@ def _rest_kernel(
 
 def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,
                           prec: str, pdl: bool = False, blocks_per_program: int = 1,
-                          keys: str = "elements", order: str = "runs", prefetch: bool = False) -> tuple[tuple, dict]:
+                          keys: str = "elements", order: str = "runs") -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _rest_kernel: parts (output, max, sum) first_part ..
     first_part + rest_parts(kv, blocks_per_program) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e);
     dot / prec: the products' operand type and input precision, decode_attention's; keys: how a key page's blocks
     read its codes, one of KEY_READS, "elements" where its blocks are not in one token quarter, takes_fields; order:
-    which blocks a program takes, one of BLOCK_ORDERS; prefetch: each program first asks for a share of its
-    sequence's 16-bit rows to be brought into L2, compiled only: PREFETCH, the elements of a 128-byte line, else 0).
+    which blocks a program takes, one of BLOCK_ORDERS).
     Also used to compile the kernel for a profile (kernels.sass_profile)."""
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -407,23 +383,21 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
                      BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)),
                      BPP=blocks_per_program, PDL=pdl,
                      KEYS=KEY_READS.index(keys) if takes_fields(kv.page_size) else 0, ASM=unpacking(dot),
-                     ORDER=BLOCK_ORDERS.index(order),
-                     PREFETCH=128 // kv.k_fp.element_size() if prefetch and not interpreted() else 0)
+                     ORDER=BLOCK_ORDERS.index(order))
     return args, constants
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
                 num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1,
-                times: torch.Tensor | None = None, keys: str = "elements", order: str = "runs",
-                prefetch: bool = False) -> None:
+                times: torch.Tensor | None = None, keys: str = "elements", order: str = "runs") -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program,
     blocks_per_program blocks each; pdl: by programmatic dependent launch, beside the paged slots' kernel launched
     just before; maxnreg: a register cap per thread (a one-warp program of at most 176 fits beside 11 paged programs
     of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary rest-pdl); times (a measurement,
-    int64, TIMES_ROW a program, at least as many rows as programs): the kernel's times_ptr; keys, order, prefetch:
+    int64, TIMES_ROW a program, at least as many rows as programs): the kernel's times_ptr; keys, order:
     rest_kernel_arguments'."""
     args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program,
-                                            keys, order, prefetch)
+                                            keys, order)
     grid = (q.shape[0], kv.k_fp.shape[1], rest_parts(kv, blocks_per_program))
     _rest_kernel[grid](*args, **constants, times_ptr=times, num_warps=num_warps,
                        **({"launch_pdl": True} if pdl else {}),

@@ -72,12 +72,11 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                         arch: int = 90, num_warps: int = 2, pdl: bool = False, blocks_per_program: int = 1,
-                        times: bool = False, maxnreg: int | None = None, keys: str = "elements",
-                        prefetch: bool = False):
+                        times: bool = False, maxnreg: int | None = None, keys: str = "elements"):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel, its
     programs taking blocks_per_program blocks each (times: writing each program's start, end and multiprocessor,
     bench tune --vary timeline; maxnreg: launch_rest's register cap, None or 255 the compiler's choice; keys: how
-    its key pages' blocks read their codes, decode_attention's rest_keys; prefetch: its rest_prefetch)."""
+    its key pages' blocks read their codes, decode_attention's rest_keys)."""
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import dot_dtype, precision
@@ -88,7 +87,7 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
-                                            pdl, blocks_per_program, keys, prefetch=prefetch)
+                                            pdl, blocks_per_program, keys)
     return _compile(ASTSource, _rest_kernel, args, {**constants, **({} if times else {"times_ptr": None})}, arch,
                     {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg and maxnreg < 255 else {})},
                     {"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else None)
