@@ -65,7 +65,7 @@ from kernels.decode_attention import (FOLDED_KERNEL, GLUON_MAXNREG, GLUON_MAXNRE
                                       ROWS_KERNEL, DecodeWorkspace, check_kernel, choose_kernel, decode_attention,
                                       decode_launches, default_splits, gluon_maxnreg, is_gluon, multiprocessors,
                                       resident_programs, split_count)
-from kernels.decode_rest import BLOCK_ORDERS, KEY_READS, TIMES_ROW, rest_blocks, rest_parts
+from kernels.decode_rest import KEY_READS, TIMES_ROW, rest_blocks, rest_parts
 from kernels.layout import key_page_bytes, value_page_bytes
 
 from . import memory
@@ -268,15 +268,13 @@ def bench_attention(args) -> dict:
 
 
 TUNE_SWEEPS = ("splits", "maxnreg", "stages", "warps", "kernel", "gluon-splits", "gluon-maxnreg", "gluon-tma", "rest",
-               "rest-pdl", "rest-blocks", "rest-keys", "rest-order", "pdl", "i8", "loads", "timeline", "pad",
-               "experiments")
+               "rest-pdl", "rest-blocks", "rest-keys", "pdl", "i8", "loads", "timeline", "pad", "experiments")
 
 
 # A tune setting's fields but its split (which the shape decides), at the default launch: 1 warp, 3 stages, the Triton
 # kernel at MAXNREG, the remaining blocks' defaults, no PDL, the whole launch, no timeline or padding
 TUNE_DEFAULTS = dict(warps=1, stages=3, maxnreg=MAXNREG, kernel="triton", rest_warps=None, pdl=False, loads=None,
-                     rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None, rest_keys=None,
-                     rest_order=None)
+                     rest_maxnreg=None, timeline=False, pad=None, rest_blocks=None, rest_keys=None)
 
 
 def bench_tune(args) -> dict:
@@ -354,12 +352,6 @@ def bench_tune(args) -> dict:
                   # ... and each way a key page's remaining blocks read its codes (decode_rest.KEY_READS; the
                   # default, decode_attention.REST_KEYS, chooses between them by the launch)
                   "rest-keys": [{**gluon(cap), "pdl": True, "rest_keys": k} for k in KEY_READS],
-                  # ... and each order of a program's blocks (decode_rest.BLOCK_ORDERS), at the default blocks a
-                  # program, 3 and 2 (matters only where a program takes several), and a call's timeline with each
-                  # (--vary timeline's "call": when the remaining programs start and end against the paged ones)
-                  "rest-order": [{**gluon(cap), "pdl": True, "rest_order": o, "rest_blocks": n, "timeline": t}
-                                 for n, t in ((None, False), (3, False), (2, False), (None, "call"))
-                                 for o in BLOCK_ORDERS],
                   # the default Gluon kernel at its default cap and split, with its three launches in a row and
                   # chained by programmatic dependent launch (decode_launches' pdl)
                   "pdl": [{**gluon(cap), "pdl": p} for p in (False, True)],
@@ -410,8 +402,7 @@ def bench_tune(args) -> dict:
                                            maxnreg=setting["maxnreg"], kernel=setting["kernel"],
                                            rest_warps=setting["rest_warps"], pdl=setting["pdl"],
                                            rest_maxnreg=setting["rest_maxnreg"],
-                                           rest_blocks=setting["rest_blocks"], rest_keys=setting["rest_keys"],
-                                           rest_order=setting["rest_order"])
+                                           rest_blocks=setting["rest_blocks"], rest_keys=setting["rest_keys"])
             times = None
             if setting["timeline"]:
                 times = torch.zeros(batch * h * setting["splits"], TIMES_ROW.value, dtype=torch.int64,
@@ -422,7 +413,7 @@ def bench_tune(args) -> dict:
                                          device=device)
                 run = decode_launches(q, kv, d ** -0.5, num_splits=setting["splits"], maxnreg=setting["maxnreg"],
                                       kernel=setting["kernel"], pdl=True, times=(times, rest_times),
-                                      rest_blocks=setting["rest_blocks"], rest_order=setting["rest_order"])
+                                      rest_blocks=setting["rest_blocks"])
             if setting["loads"]:
                 run = paged_half(q, kv, setting["splits"], setting["maxnreg"], setting["loads"], times,
                                  setting["pad"], setting["timeline"] == "waits", setting["kernel"])

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .decode_rest import BLOCK_ORDERS, KEY_READS
+from .decode_rest import KEY_READS
 from .decode_rest import (launch_rest, rest_blocks_per_program, rest_maxnreg as default_rest_maxnreg, rest_parts,
                           rest_warps as default_rest_warps)
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
@@ -671,10 +671,6 @@ PDL = True
 REST_KEYS = "auto"
 CODES_BLOCKS = 5
 
-# decode_launches' rest_order by default: which blocks a remaining blocks' program of several takes, one of
-# decode_rest.BLOCK_ORDERS ("runs" until the H200 measures "strided": bench tune --vary rest-order)
-REST_ORDER = "runs"
-
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1,
                 sm_count: int | None = None) -> int:
@@ -738,8 +734,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                      pdl: bool | None = None, rest_maxnreg: int | None = None,
-                     rest_blocks: int | None = None, rest_keys: str | None = None,
-                     rest_order: str | None = None) -> torch.Tensor:
+                     rest_blocks: int | None = None, rest_keys: str | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches (decode_launches): the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers)
     and the merge of their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default:
@@ -753,13 +748,11 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     rest_maxnreg / rest_blocks: warps a program of the remaining blocks (default: decode_rest.rest_warps), their
     register cap (default: decode_rest.rest_maxnreg; 255 leaves it to the compiler) and blocks a program (default:
     decode_rest.rest_blocks_per_program). rest_keys: how the remaining blocks of a key page read its codes, one of
-    decode_rest.KEY_READS or "auto" (default REST_KEYS); rest_order: which blocks a program of several takes, one of
-    decode_rest.BLOCK_ORDERS (default REST_ORDER). pdl: the three launches chained by programmatic dependent
+    decode_rest.KEY_READS or "auto" (default REST_KEYS). pdl: the three launches chained by programmatic dependent
     launch (decode_launches; default PDL). With a workspace, its buffers are reused (see DecodeWorkspace); without,
     they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
-                           rest_warps, pdl, rest_maxnreg, rest_blocks, rest_keys=rest_keys,
-                           rest_order=rest_order)()
+                           rest_warps, pdl, rest_maxnreg, rest_blocks, rest_keys=rest_keys)()
 
 
 @dataclass
@@ -785,7 +778,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                     pdl: bool | None = None, rest_maxnreg: int | None = None,
                     rest_blocks: int | None = None, times: tuple | None = None,
-                    rest_keys: str | None = None, rest_order: str | None = None) -> DecodeLaunches:
+                    rest_keys: str | None = None) -> DecodeLaunches:
     """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
     the merge, with the kernel, split, register cap and warps resolved as it resolves them.
 
@@ -803,9 +796,6 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     rest_keys = REST_KEYS if rest_keys is None else rest_keys
     if rest_keys not in ("auto", *KEY_READS):
         raise ValueError(f"rest_keys {rest_keys!r}: choose one of auto, {', '.join(KEY_READS)}")
-    rest_order = REST_ORDER if rest_order is None else rest_order
-    if rest_order not in BLOCK_ORDERS:
-        raise ValueError(f"rest_order {rest_order!r}: choose one of {', '.join(BLOCK_ORDERS)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
@@ -841,7 +831,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
     def remaining():
         launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
-                    rest_blocks, times[1] if times else None, rest_keys, rest_order)
+                    rest_blocks, times[1] if times else None, rest_keys)
 
     if is_gluon(kernel):
         from . import decode_gluon

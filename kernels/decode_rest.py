@@ -118,15 +118,6 @@ FIELD_FP16 = tl.constexpr(field_asm(torch.float16))
 # scales on the queries (the paged kernels' algebra).
 KEY_READS = ("elements", "codes")
 
-# Which blocks a program of several takes (launch_rest's `order`; _rest_kernel's ORDER is the index): "runs",
-# consecutive ones (program p: blocks p * BPP .. p * BPP + BPP - 1); "strided", one every `programs` (program p:
-# blocks p, p + P, p + 2P ..., P programs a sequence). A sequence's blocks are not alike: a key page's cost a program
-# about twice a block of 16-bit rows (kernels.sass_profile --kernel rest --blocks), and they come together (a kitty-pro
-# sequence at 32K tokens: the sink's block, 4 of the window's key page, 3 of 16-bit rows). In runs of 5 its first
-# program takes the sink and all 4 (3,862 instructions a warp with "codes"), the second the 3 rows' (about 1,400);
-# strided, each takes 2 of the key page's (2,618 each): the launch's longest chain a third shorter.
-BLOCK_ORDERS = ("runs", "strided")
-
 
 def takes_fields(page_size: int) -> bool:
     """Whether a block of a key page is one token quarter or part of one (rest_block_tokens divides G/4), as
@@ -288,14 +279,13 @@ def _rest_kernel(
         BPP: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False,
-        KEYS: tl.constexpr = 0, ASM: tl.constexpr = 0, ORDER: tl.constexpr = 0, times_ptr=None):
-    """Program (b, h, p): BPP blocks (of the NBLK launched a sequence; _rest_block numbers them) of sequence b's
-    remaining tokens for KV head h, p * BPP .. p * BPP + BPP - 1 (ORDER 0, BLOCK_ORDERS' "runs") or p, p + P, ... (1,
-    "strided"; P programs a sequence), one after the other with a running softmax, written as part FIRST_PART + p.
-    Blocks without a token of the sequence are skipped (a program with none writes an empty partial, max -inf, which
-    the merge weighs 0). Why several blocks a program: where the launch has many programs, each one's queries, set-up
-    and partial cost about as much as a block's arithmetic; one program a block keeps the latency low where the
-    launch is small or the paged launch short (rest_blocks_per_program). PDL: launched beside
+        KEYS: tl.constexpr = 0, ASM: tl.constexpr = 0, times_ptr=None):
+    """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1 (of the NBLK launched a sequence; _rest_block numbers
+    them) of sequence b's remaining tokens for KV head h, one after the other with a running softmax, written as
+    part FIRST_PART + p. Blocks without a token of the sequence are skipped (a program with none writes an empty
+    partial, max -inf, which the merge weighs 0). Why several blocks a program: where the launch has many programs,
+    each one's queries, set-up and partial cost about as much as a block's arithmetic; one program a block keeps the
+    latency low where the launch is small or the paged launch short (rest_blocks_per_program). PDL: launched beside
     the paged slots' kernel (decode_launches' pdl): the merge after it may start at once, and the grid's last
     program waits for the paged grid before it ends, so that this grid's end (what the merge waits for) means both
     are done. Only one program waits: while every program waited, the programs that had started held their
@@ -331,10 +321,7 @@ def _rest_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for i in range(BPP):
-        if ORDER == 0:
-            j = p * BPP + i
-        else:
-            j = p + i * tl.num_programs(2)
+        j = p * BPP + i
         if (j < NBLK) & _block_exists(j, n_sink, sink_len, n_paged, length, S, G, T):
             scores, values = _rest_block(j, q, q_dot, q_rows, hmask, kfp_ptr, vfp_ptr, klow_ptr, khigh_ptr,
                                          kch_ptr, kscale_ptr, kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr,
@@ -365,12 +352,11 @@ def _rest_kernel(
 
 def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot,
                           prec: str, pdl: bool = False, blocks_per_program: int = 1,
-                          keys: str = "elements", order: str = "runs") -> tuple[tuple, dict]:
+                          keys: str = "elements") -> tuple[tuple, dict]:
     """Run-time arguments and compile-time constants of _rest_kernel: parts (output, max, sum) first_part ..
     first_part + rest_parts(kv, blocks_per_program) - 1 of each row (q (B, HQ, D); qk_scale = sm_scale * log2(e);
     dot / prec: the products' operand type and input precision, decode_attention's; keys: how a key page's blocks
-    read its codes, one of KEY_READS, "elements" where its blocks are not in one token quarter, takes_fields; order:
-    which blocks a program takes, one of BLOCK_ORDERS).
+    read its codes, one of KEY_READS, "elements" where its blocks are not in one token quarter, takes_fields).
     Also used to compile the kernel for a profile (kernels.sass_profile)."""
     hq, d = q.shape[1:]
     h = kv.k_fp.shape[1]
@@ -382,22 +368,21 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
                      PREC=prec, T=rest_block_tokens(kv.page_size), BLOCK_M=max(16, triton.next_power_of_2(hq // h)),
                      BLOCK_D=triton.next_power_of_2(d), BLOCK_NB=max(16, triton.next_power_of_2(kv.n_boost)),
                      BPP=blocks_per_program, PDL=pdl,
-                     KEYS=KEY_READS.index(keys) if takes_fields(kv.page_size) else 0, ASM=unpacking(dot),
-                     ORDER=BLOCK_ORDERS.index(order))
+                     KEYS=KEY_READS.index(keys) if takes_fields(kv.page_size) else 0, ASM=unpacking(dot))
     return args, constants
 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
                 num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1,
-                times: torch.Tensor | None = None, keys: str = "elements", order: str = "runs") -> None:
+                times: torch.Tensor | None = None, keys: str = "elements") -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program,
     blocks_per_program blocks each; pdl: by programmatic dependent launch, beside the paged slots' kernel launched
     just before; maxnreg: a register cap per thread (a one-warp program of at most 176 fits beside 11 paged programs
     of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary rest-pdl); times (a measurement,
-    int64, TIMES_ROW a program, at least as many rows as programs): the kernel's times_ptr; keys, order:
+    int64, TIMES_ROW a program, at least as many rows as programs): the kernel's times_ptr; keys:
     rest_kernel_arguments'."""
     args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program,
-                                            keys, order)
+                                            keys)
     grid = (q.shape[0], kv.k_fp.shape[1], rest_parts(kv, blocks_per_program))
     _rest_kernel[grid](*args, **constants, times_ptr=times, num_warps=num_warps,
                        **({"launch_pdl": True} if pdl else {}),

@@ -4,7 +4,6 @@ odd lengths, batches of different lengths."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 import re
@@ -28,8 +27,8 @@ from kernels.decode_attention import (FOLDED_KERNEL, GLUON_KERNELS, GLUON_MAXNRE
                                       decode_attention_ref, decode_launches, default_splits, folds_max, gather_kv,
                                       gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
                                       multiprocessors, reads_rows, split_count)
-from kernels.decode_rest import (BLOCK_ORDERS, REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program,
-                                 rest_kernel_arguments, rest_maxnreg, rest_parts, rest_warps, takes_fields)
+from kernels.decode_rest import (REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_maxnreg, rest_parts,
+                                 rest_warps, takes_fields)
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
                                 dequantize_values_ref)
 from kernels.layout import (SWAP, boost_mask, key_chunks, key_offsets, key_plane_shape, key_rows, key_tile,
@@ -551,34 +550,27 @@ def test_remaining_blocks_warps(kernel, rest_warps, rest_maxnreg):
     assert rel_err(expected, decode_attention_ref(q, kv, 128 ** -0.5)) < 1.5e-2
     out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps, rest_maxnreg=rest_maxnreg)
     assert rel_err(out, expected) < 1e-3
-    for blocks, order in itertools.product((2, 9), BLOCK_ORDERS):   # several blocks a program, as at larger batches
+    for blocks in (2, 9):                           # several blocks a program, as at larger batches by default
         out = decode_attention(q, kv, 128 ** -0.5, kernel=kernel, rest_warps=rest_warps, rest_maxnreg=rest_maxnreg,
-                               rest_blocks=blocks, rest_order=order)
-        assert rel_err(out, expected) < 1e-3, f"{blocks} blocks a program, {order}: {rel_err(out, expected):.2e}"
+                               rest_blocks=blocks)
+        assert rel_err(out, expected) < 1e-3, f"{blocks} blocks a program: {rel_err(out, expected):.2e}"
 
 
-@pytest.mark.parametrize("order", BLOCK_ORDERS)
 @pytest.mark.parametrize("blocks", [1, 2, 4, 100])
-def test_remaining_blocks_any_number_a_program(blocks, order):
+def test_remaining_blocks_any_number_a_program(blocks):
     """The remaining blocks 1, 2 or 4 a program, or all of a sequence's in one (100), with a running softmax over
-    them, in runs of consecutive blocks or strided (decode_rest.BLOCK_ORDERS): the reference's output, the partials
-    poisoned first (a program must write its partial even when every block it was given is past its sequence's end:
-    the sequence of 17 tokens, shorter than the sink). The key pages have boosted channels, and the sequences of 300
-    and 201 tokens a key page whose values are still 16-bit."""
+    them: the reference's output, the partials poisoned first (a program must write its partial even when every
+    block it was given is past its sequence's end: the sequence of 17 tokens, shorter than the sink). The key pages
+    have boosted channels, and the sequences of 300 and 201 tokens a key page whose values are still 16-bit."""
     kv, _, _ = random_paged_kv([300, 17, 201], heads=2, head_dim=64, sink=32, page_size=64, window=64, n_boost=8,
                                dtype=torch.float16, seed=518, device=DEVICE)
     q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(1)).half().to(DEVICE)
     workspace = DecodeWorkspace()
     for buffer in workspace.get(q, 2 + rest_parts(kv, blocks)):
         buffer.fill_(float("nan"))
-    out = decode_attention(q, kv, 64 ** -0.5, num_splits=2, workspace=workspace, rest_blocks=blocks, rest_order=order)
+    out = decode_attention(q, kv, 64 ** -0.5, num_splits=2, workspace=workspace, rest_blocks=blocks)
     assert torch.isfinite(out).all()
     assert rel_err(out, decode_attention_ref(q, kv, 64 ** -0.5)) < 2e-3
-    _, constants = rest_kernel_arguments(q, kv, 1.0, workspace.get(q, 2 + rest_parts(kv, blocks))[:3], 2,
-                                         tl.float16, "tf32", blocks_per_program=blocks, order=order)
-    assert constants["ORDER"] == BLOCK_ORDERS.index(order)                  # the order under test is the one run
-    with pytest.raises(ValueError, match="runs, strided"):
-        decode_attention(q, kv, 64 ** -0.5, rest_order="random")
 
 
 def test_remaining_blocks_a_program_follow_the_launch_size():
