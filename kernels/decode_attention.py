@@ -36,9 +36,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .decode_rest import KEY_READS
-from .decode_rest import (launch_rest, rest_blocks_per_program, rest_maxnreg as default_rest_maxnreg, rest_parts,
-                          rest_warps as default_rest_warps)
+from .decode_rest import (KEY_READS, launch_rest, rest_blocks_per_program, rest_maxnreg as default_rest_maxnreg,
+                          rest_parts, rest_warps as default_rest_warps)
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV, key_tile_and_operand, value_tile_and_operand
 from .unpack import MAGIC, field_weights, interpreted, unpack_asm, unpacking
