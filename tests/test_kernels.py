@@ -1217,6 +1217,130 @@ def test_merge_of_many_parts_is_the_log_sum_exp_merge(d, sm_count, parts):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
+LAST_MERGE_CASES = [ATTENTION_CASES[i] for i in (0, 1, 3, 4)]     # GQA 1, 3, 8, 4; head_dim 64 and 128; ragged
+
+
+@pytest.mark.parametrize("case", LAST_MERGE_CASES, ids=lambda c: f"L{c[0]}-h{c[1]}-d{c[2]}-g{c[3]}")
+def test_last_program_merges_as_the_merge_launch(case):
+    """merge="last" (kernels/merge.py): whichever program of a (sequence, KV head) stores its partial last merges
+    the pair's rows, with no merge launch. The remaining blocks' launch first (the last programs are then paged
+    ones) and the paged launch first (remaining ones), the partials and the output poisoned first, so that a merge
+    before any partial was written, or a row left unmerged, fails; the counters are zero after every call, and a
+    second call on the same workspace merges again (a graph replays them). One part a step too (merge_if_last's
+    loop). On a GPU, with the Gluon kernel: test_last_merge_on_a_gpu."""
+    lengths, h, d, group, kb, vb, sink, page, window, nb, dtype = case
+    kv, _, _ = random_paged_kv(lengths, heads=h, head_dim=d, sink=sink, page_size=page, window=window, k_bits=kb,
+                               v_bits=vb, n_boost=nb, dtype=dtype, seed=sum(lengths), device=DEVICE)
+    q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    ref = decode_attention_ref(q, kv, d ** -0.5)
+    tol = 2e-3 if dtype == torch.float16 else 1.5e-2
+    plain = decode_attention(q, kv, d ** -0.5, num_splits=3, kernel="triton", merge="launch")
+    workspace = DecodeWorkspace()
+    for paged_first in (False, True, False):
+        launches = decode_launches(q, kv, d ** -0.5, num_splits=3, kernel="triton", workspace=workspace, merge="last")
+        assert launches.merge is None
+        for buffer in workspace.buffers:
+            buffer.fill_(float("nan"))
+        for launch in (launches.paged, launches.remaining) if paged_first else (launches.remaining, launches.paged):
+            launch()
+        assert torch.isfinite(launches.out).all() and rel_err(launches.out, ref) < tol
+        assert rel_err(launches.out, plain) < 1e-3, paged_first
+        assert not workspace.counts.any(), workspace.counts
+    with pytest.raises(ValueError, match="launch, last"):
+        decode_attention(q, kv, d ** -0.5, merge="fused")
+
+
+def test_last_merge_steps_through_many_parts():
+    """merge_if_last's loop over steps of parts with a running maximum: a row of more parts than one step reads
+    (head_dim 128: 16 a step) gives what the merge launch gives."""
+    from kernels.merge import last_merge_parts
+    kv, _, _ = random_paged_kv([2000], heads=1, head_dim=128, sink=32, page_size=64, window=64, n_boost=32,
+                               dtype=torch.float16, seed=462, device=DEVICE)
+    q = torch.randn(1, 2, 128, generator=torch.Generator().manual_seed(1)).to(torch.float16).to(DEVICE)
+    workspace = DecodeWorkspace()
+    got = decode_attention(q, kv, 128 ** -0.5, num_splits=20, kernel="triton", merge="last", workspace=workspace)
+    parts = workspace.buffers[1].shape[2]
+    assert parts > last_merge_parts(parts, 128) == 16
+    want = decode_attention(q, kv, 128 ** -0.5, num_splits=20, kernel="triton", merge="launch")
+    assert rel_err(got, want) < 1e-3 and rel_err(got, decode_attention_ref(q, kv, 128 ** -0.5)) < 2e-3
+
+
+def test_last_merge_parts_fit_a_step():
+    """A step of the "last" merge: all of a row's parts where they fit (the Triton kernels: MERGE_TILE floats with
+    a row's channels; the Gluon kernel: MERGE_FLOATS with all heads of the group, half of them for 8 heads), in
+    powers of two."""
+    from kernels.decode_gluon import merge_parts
+    from kernels.merge import last_merge_parts
+    assert [last_merge_parts(n, 128) for n in (1, 5, 8, 9, 136)] == [1, 8, 8, 16, 16]
+    assert [merge_parts(n, 4, 128) for n in (1, 5, 8, 9)] == [1, 8, 8, 8]        # 128 floats a lane
+    assert merge_parts(5, 8, 128) == 2 and merge_parts(5, 3, 64) == 8 and merge_parts(200, 1, 64) == 64
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="the Gluon kernel needs a GPU")
+@pytest.mark.parametrize("kernel", ["auto", "triton", "gluon", ROWS_KERNEL])
+def test_last_merge_on_a_gpu(kernel):
+    """merge="last" on a GPU, in the Gluon kernel's own merge (decode_gluon._merge_if_last) and the Triton
+    kernels': one sequence, a ragged batch with one shorter than a page, GQA 8 and 3 at head_dim 64, and 48
+    sequences of 8 KV heads whose paged programs fill the multiprocessors, with and without PDL (where the last
+    program of a pair is paged or remaining), the partials and output poisoned first; then in a CUDA graph replayed
+    three times, each after poisoning. Each output is the merge launch's, within the rounding of the output's
+    dtype (the sums' order differs), and the counters are zero after every call."""
+    for lengths, heads, copies, group, d, nb in (([4100], 2, 1, 4, 128, 32), ([4100, 300, 1], 2, 1, 8, 128, 32),
+                                                  ([1300, 77], 2, 1, 3, 64, 16), ([8200], 8, 48, 4, 128, 32)):
+        kv, _, _ = random_paged_kv(lengths, heads=heads, head_dim=d, n_boost=nb, seed=5, device=DEVICE,
+                                   dtype=torch.bfloat16)
+        kv = same_sequences(kv, copies)
+        q = torch.randn(len(lengths) * copies, group * heads, d, generator=torch.Generator().manual_seed(2))
+        q = q.to(torch.bfloat16).to(DEVICE)
+        plain = decode_attention(q, kv, d ** -0.5, kernel=kernel, pdl=False, merge="launch").clone()
+        assert rel_err(plain, decode_attention_ref(q, kv, d ** -0.5)) < 1.5e-2
+        workspace = DecodeWorkspace()
+        for pdl in (False, True):
+            decode_attention(q, kv, d ** -0.5, kernel=kernel, pdl=pdl, workspace=workspace, merge="last")
+            for buffer in workspace.buffers:
+                buffer.fill_(float("nan"))
+            out = decode_attention(q, kv, d ** -0.5, kernel=kernel, pdl=pdl, workspace=workspace, merge="last")
+            assert torch.isfinite(out).all() and rel_err(out, plain) < 4e-3, (lengths, pdl, rel_err(out, plain))
+            assert not workspace.counts.any(), (lengths, pdl)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = decode_attention(q, kv, d ** -0.5, kernel=kernel, workspace=workspace, merge="last")
+        for _ in range(3):
+            for buffer in workspace.buffers:
+                buffer.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all() and rel_err(out, plain) < 4e-3, (lengths, rel_err(out, plain))
+            assert not workspace.counts.any(), lengths
+
+
+def test_last_merge_compiles_into_the_kernels_for_hopper():
+    """Without a GPU: merge="last" compiles into the Gluon paged kernel (q-rows and fold-max, at 168 registers:
+    its page loop about the same, no spills), the Triton paged kernel and the remaining blocks' kernel, each with one
+    acquire-release add (a thread's, predicated) and the counter's reset; none without it."""
+    code = textwrap.dedent("""
+        import torch
+        from kernels.decode_attention import ROWS_KERNEL
+        from kernels.decode_gluon import kernel_options
+        from kernels.sass_profile import compile_gluon_kernel, compile_rest_kernel, compile_split_kernel, profile
+        for merge in (False, True):
+            gluon = compile_gluon_kernel("kitty-pro", torch.bfloat16, 4, maxnreg=168, merge=merge,
+                                         **kernel_options(ROWS_KERNEL))
+            rest = compile_rest_kernel("kitty-pro", torch.bfloat16, 4, merge=merge).asm["ptx"]
+            split = compile_split_kernel("kitty-pro", torch.bfloat16, 4, merge=merge).asm["ptx"]
+            row = profile(gluon)
+            adds = [ptx.count("atom.global.gpu.acq_rel.add") for ptx in (gluon.asm["ptx"], rest, split)]
+            resets = [ptx.count("atom.global.gpu.relaxed.exch") for ptx in (gluon.asm["ptx"], rest, split)]
+            print(merge, *adds, *resets, row["loop instructions"], row["stack bytes"], row["registers"] <= 168)
+    """)
+    run = compile_on_cpu(code)
+    plain, last = (line.split() for line in run.stdout.splitlines())
+    assert plain[:7] == ["False"] + ["0"] * 6 and last[:7] == ["True"] + ["1"] * 6, run.stdout
+    # the page loop within 4 instructions (triton 3.6 for sm_90: 1,176 both; 3.7.1: 1,172 and 1,174, registers
+    # placed otherwise), no spills, the register cap kept
+    assert abs(int(plain[7]) - int(last[7])) <= 4 and last[8] == "0" and last[9] == "True", run.stdout
+
+
 @pytest.mark.parametrize("method", ["fp16", "kivi-k4v4", "kitty-pro"])
 def test_decode_attention_reads_the_caches_own_layout(method):
     """The kernel on a PagedKV built by the cache itself (page tables exactly as wide as needed, none at all for
