@@ -593,8 +593,11 @@ GLUON_MAXNREG_FEW = 192
 # SDPA at best), equal at 32 / 32K (191.9 against 191.1), slower at 1 / 32K (14.3 against 12.9) and for kitty, whose
 # 16 boosted channels leave half the lanes idle (356.4 against 351.2 at 64 / 32K, 183.3 against 180.8 at 32 / 32K):
 # "auto" adds it where a program walks ROWS_PAGES pages and the keys have ROWS_BOOSTED boosted channels (reads_rows).
+# - "two-rows": the sums of p and of p * zero from a first operand whose rows are the zeros (row 0) and ones (row 8)
+#   and zeros elsewhere, instead of 8 copies of each (decode_gluon's TWO_ROWS): the same products and sums, with
+#   14 of 16 rows zero for the matrix unit's power, as the padding heads' zero columns (_live_heads) saved it.
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
-GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows")
+GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows", "two-rows")
 FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
 ROWS_KERNEL = FOLDED_KERNEL + "+q-rows"
 ROWS_PAGES = 64                    # measured faster at 85 pages a program, equal at 43

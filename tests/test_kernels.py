@@ -389,7 +389,7 @@ GLUON_CASES = [
 # products)
 GLUON_TESTED = (*GLUON_KERNELS, "gluon-tma+zq-ahead", "gluon-tma+zq-ahead+fold-max", "gluon+zq-ahead+fold-max",
                 "gluon-tma-i8k+zq-ahead", "gluon-tma-i8+zq-ahead", "gluon-tma+zq-ahead+fold-max+q-rows",
-                "gluon+q-rows")
+                "gluon+q-rows", "gluon-tma+zq-ahead+fold-max+q-rows+two-rows")
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
