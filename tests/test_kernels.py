@@ -688,9 +688,10 @@ def test_kernel_names_add_experiments_and_bad_names_are_refused():
     from kernels.decode_gluon import kernel_options
     assert kernel_parts("gluon-tma+fold-max+zq-ahead") == ("gluon-tma", ("fold-max", "zq-ahead"))
     assert kernel_options("gluon-tma+fold-max+zq-ahead") == kernel_options("gluon-tma+zq-ahead+fold-max") == dict(
-        use_tma=True, i8=0, zq_ahead=True, fold_max=True, q_rows=False)
-    assert kernel_options("gluon") == dict(use_tma=False, i8=0, zq_ahead=False, fold_max=False, q_rows=False)
-    assert kernel_options("gluon+q-rows")["q_rows"]
+        use_tma=True, i8=0, zq_ahead=True, fold_max=True, q_rows=False, two_rows=False)
+    assert kernel_options("gluon") == dict(use_tma=False, i8=0, zq_ahead=False, fold_max=False, q_rows=False,
+                                           two_rows=False)
+    assert kernel_options("gluon+q-rows")["q_rows"] and kernel_options("gluon-tma+two-rows")["two_rows"]
     assert kernel_options("gluon-tma-i8+zq-ahead")["i8"] == 2 and is_gluon("gluon-tma-i8+zq-ahead")
     assert not is_gluon("triton") and not is_gluon("auto")
     for name in KERNELS:
