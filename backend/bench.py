@@ -67,7 +67,6 @@ from kernels.decode_attention import (FOLDED_KERNEL, GLUON_MAXNREG, GLUON_MAXNRE
                                       resident_programs, split_count)
 from kernels.decode_rest import KEY_READS, TIMES_ROW, rest_blocks, rest_parts
 from kernels.layout import key_page_bytes, value_page_bytes
-from kernels.merge import MERGES
 
 from . import memory
 from .cache import FLUSH_MODES, KittyLayer, auto_flush_spread
@@ -233,27 +232,22 @@ def bench_attention(args) -> dict:
             for method in methods:
                 layer = filled_layer(method, k, v)
                 kv = layer.paged()
-                for kernel, pdl, merge in itertools.product(args.kernels, PDL_CHOICES[args.pdl], args.merges):
-                    launches = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=pdl,
-                                               merge=merge)
+                for kernel, pdl in ((k, p) for k in args.kernels for p in PDL_CHOICES[args.pdl]):
+                    launches = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=pdl)
                     err = (launches().float() - reference).abs().max().item()  # vs exact FP16: quantization error
                     seconds = median_seconds(launches, args.quick)
                     # each of the call's three launches alone (the remaining blocks, the paged slots, the merge), on
                     # the buffers of the call just made: what the call's time is made of, and its gaps. Launched
-                    # without PDL (replays of one launch chained by PDL would overlap each other) and with the merge
-                    # launch (the "last" merge's programs count themselves: alone, one launch would not complete
-                    # its pairs' counts)
-                    alone = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=False,
-                                            merge="launch")
+                    # without PDL: replays of one launch chained by PDL would overlap each other
+                    alone = decode_launches(q, kv, sm_scale, workspace=DecodeWorkspace(), kernel=kernel, pdl=False)
                     alone()
                     parts_us = {f"{part}_us": median_seconds(getattr(alone, part), args.quick) * 1e6
                                 for part in ("remaining", "paged", "merge")}
                     name = (method if kernel == "auto" else f"{method}/{kernel}") + {None: "", False: "-pdl",
                                                                                       True: "+pdl"}[pdl]
-                    name += "" if merge is None else f"/merge-{merge}"
                     ran = choose_kernel(q, kv) if kernel == "auto" else kernel      # what "auto" took
-                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, pdl=pdl, merge=merge,
-                                     ran=ran, us=seconds * 1e6, **parts_us, gbs=bytes_read(layer) / seconds / 1e9,
+                    rows.append(dict(batch=batch, tokens=length, method=name, kernel=kernel, pdl=pdl, ran=ran,
+                                     us=seconds * 1e6, **parts_us, gbs=bytes_read(layer) / seconds / 1e9,
                                      vs_sdpa=sdpa_s / seconds, max_err=err))
                 del layer, kv
             if device == "cuda":
@@ -1271,10 +1265,6 @@ def main(argv=None) -> int:
     parser.add_argument("--pdl", choices=list(PDL_CHOICES), default="default",
                         help="attention: decode_attention's pdl (its three launches chained by programmatic dependent "
                              "launch): its default, off, on or both, each measured")
-    parser.add_argument("--merges", nargs="*", choices=MERGES, default=[None],
-                        help="attention: how decode_attention merges its partials (kernels/merge.py: launch, a "
-                             "launch of its own; last, by each (sequence, KV head)'s last program), each measured "
-                             "(default: decode_attention.MERGE)")
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--prompt", type=int, help="generate: prompt tokens; turn: the longest first turn; quality: "
                         "tokens of the bundled text (default 1,040)")

@@ -40,7 +40,6 @@ from .decode_rest import (KEY_READS, launch_rest, rest_blocks_per_program, rest_
                           rest_parts, rest_warps as default_rest_warps)
 from .dequantize import dequantize_keys_ref, dequantize_values_ref
 from .layout import PagedKV, key_tile_and_operand, value_tile_and_operand
-from .merge import MERGE_TILE, MERGES, last_merge_parts, merge_if_last, merged_row
 from .unpack import MAGIC, field_weights, interpreted, unpack_asm, unpacking
 
 
@@ -298,12 +297,10 @@ def _decode_split_kernel(
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
         OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G4: tl.constexpr, BLOCK_D4: tl.constexpr,
-        BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False, out_ptr=None, count_ptr=None,
-        MERGE_S: tl.constexpr = 1):
+        BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, h, part < NSPLIT): the paged slots of sequence b, KV head h that _program_slots gives it, written
     as partial (output, max, sum) number `part`. PDL: the remaining blocks' kernel after it may start at once
-    (decode_launches' pdl). count_ptr (the "last" merge, kernels/merge.py): the program counts itself in its pair's
-    counter, and the pair's last program merges its rows into out_ptr, MERGE_S parts a step (merge_if_last)."""
+    (decode_launches' pdl)."""
     if PDL:
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -355,20 +352,37 @@ def _decode_split_kernel(
         tl.store(out + D4, acc1 + zrow, mask=omask)
         tl.store(out + 2 * D4, acc2 + zrow, mask=omask)
         tl.store(out + 3 * D4, acc3 + zrow, mask=omask)
-    if count_ptr is not None:
-        merge_if_last(count_ptr, b * H + h, po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, GROUP, D, 4 * BLOCK_D4, MERGE_S)
 
 
 @triton.jit(do_not_specialize=["NPART"])
 def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr, BLOCK_S: tl.constexpr,
                          BLOCK_DC: tl.constexpr, PDL: tl.constexpr = False):
-    """The "launch" merge (kernels/merge.py): one (sequence, query head) row and BLOCK_DC of its channels
-    (merged_row). PDL: launched while the kernels that write the partials still run (decode_launches' pdl): it waits
-    for them first."""
+    """One (sequence, query head) row and BLOCK_DC of its channels: the partials of all NPART parts merged with
+    log-sum-exp weights in one pass (a running maximum rescales what is summed so far), BLOCK_S parts per step.
+    PDL: launched while the kernels that write the partials still run (decode_launches' pdl): it waits for them
+    first."""
     if PDL:
         gdc_wait()
-    merged_row(po_ptr, pm_ptr, pl_ptr, out_ptr, tl.program_id(0).to(tl.int64),
-               tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC), NPART, D, BLOCK_S, "")
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    dmask = d < D
+    m_run = float("-inf")
+    den = 0.0
+    num = tl.zeros((BLOCK_DC,), tl.float32)
+    for first in range(0, NPART, BLOCK_S):
+        sp = first + tl.arange(0, BLOCK_S)
+        smask = sp < NPART
+        m = tl.load(pm_ptr + row * NPART + sp, mask=smask, other=float("-inf"))
+        lsum = tl.load(pl_ptr + row * NPART + sp, mask=smask, other=0.0)
+        o = tl.load(po_ptr + (row * NPART + sp[:, None]) * D + d[None, :], mask=smask[:, None] & dmask[None, :],
+                    other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.where(m_run > float("-inf"), tl.math.exp2(m_run - m_new), 0.0)
+        w = tl.where(m > float("-inf"), tl.math.exp2(m - m_new), 0.0)      # empty parts (m = -inf) weigh 0
+        den = den * alpha + tl.sum(lsum * w, 0)
+        num = num * alpha + tl.sum(o * w[:, None], 0)
+        m_run = m_new
+    tl.store(out_ptr + row * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 # The merge reads every part of every row once, MERGE_TILE floats (BLOCK_S parts x BLOCK_DC channels) per step. A
@@ -380,7 +394,12 @@ def _merge_splits_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, D: tl.constexpr
 # which waited for its paged programs' counts (release adds, an acquire wait): on an H100 beside the paged kernel by
 # PDL, equal at batch 64 / 32K (kitty-pro 481.5 and 484.4 against 480.4 and 485.5 us; kivi-k2v2 1.4-2.0 faster),
 # 5 us slower at 64 / 4K and 2-3.5x slower at batch 1, where one program merged a row's 136 parts (BENCHMARKS.md
-# section 1, session 38; commit bd2acc7).
+# section 1, session 38; commit bd2acc7). Nor, with no wait, by whichever program of the pair (paged, in Gluon, or
+# remaining) stored its partial last (an acquire-release add a program): on an H100 0.2-0.9 us faster at 64 / 32K
+# in 4 of 4 pairs (467.5-468.3 against 468.0-468.6), slower at every other shape measured (32 / 32K by 2.2, 8 / 32K
+# by 18, 32 / 4K by 13.5, 8 / 4K by 18, 1 / 32K by 91: one program's serial merge is the call's end); not measured
+# on an H200 (BENCHMARKS.md section 1, session 43; commit 0307825).
+MERGE_TILE = 2048
 MERGE_WARPS = 2
 
 
@@ -488,7 +507,6 @@ class DecodeWorkspace:
         self.rows: torch.Tensor | None = None
         self.descriptor_key: tuple | None = None
         self.descriptors: tuple = ()
-        self.counts: torch.Tensor | None = None
 
     def get(self, q: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, ...]:
         bsz, hq, d = q.shape
@@ -499,14 +517,6 @@ class DecodeWorkspace:
             part_m = torch.empty((bsz, hq, num_parts), dtype=torch.float32, device=q.device)
             self.buffers = (part_o, part_m, torch.empty_like(part_m), torch.empty_like(q))
         return self.buffers
-
-    def counters(self, q: torch.Tensor, kv: PagedKV) -> torch.Tensor:
-        """The "last" merge's counters (kernels/merge.py), one int32 a (sequence, KV head), zero between calls (each
-        pair's last program sets its counter back): kept like the partials."""
-        pairs = q.shape[0] * kv.k_fp.shape[1]
-        if self.counts is None or self.counts.numel() != pairs or self.counts.device != q.device:
-            self.counts = torch.zeros(pairs, dtype=torch.int32, device=q.device)
-        return self.counts
 
     def query_rows(self, q: torch.Tensor, kv: PagedKV) -> torch.Tensor:
         """The Gluon kernel's transposed queries (its "q-rows" experiment: decode_gluon.query_rows_shape, fp16),
@@ -666,9 +676,6 @@ PDL = True
 # 1.2 faster for kitty at 64 / 32K, where "codes" was 1.4 faster: deleted.
 REST_KEYS = "auto"
 CODES_BLOCKS = 5
-# decode_attention's merge (kernels/merge.py's MERGES): "launch", a launch of its own; "last", by each (sequence, KV
-# head)'s last program, an experiment until the H200 measures it against the launch
-MERGE = "launch"
 
 
 def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_warps: int = 1,
@@ -733,8 +740,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
                      workspace: DecodeWorkspace | None = None, num_warps: int = 1, num_stages: int = 3,
                      maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                      pdl: bool | None = None, rest_maxnreg: int | None = None,
-                     rest_blocks: int | None = None, rest_keys: str | None = None,
-                     merge: str | None = None) -> torch.Tensor:
+                     rest_blocks: int | None = None, rest_keys: str | None = None) -> torch.Tensor:
     """q (B, HQ, D) -> (B, HQ, D), equal to decode_attention_ref within float tolerance.
     Three launches (decode_launches): the paged slots' kernel, the remaining blocks' (decode_rest.py: sink, buffers)
     and the merge of their partials. num_splits: programs sharing each (sequence, KV head)'s paged slots (default:
@@ -749,30 +755,27 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: 
     register cap (default: decode_rest.rest_maxnreg; 255 leaves it to the compiler) and blocks a program (default:
     decode_rest.rest_blocks_per_program). rest_keys: how the remaining blocks of a key page read its codes, one of
     decode_rest.KEY_READS or "auto" (default REST_KEYS). pdl: the three launches chained by programmatic dependent
-    launch (decode_launches; default PDL). merge: how the partials are merged, one of kernels/merge.py's MERGES,
-    "launch" (a third launch) or "last" (by each (sequence, KV head)'s last program; default MERGE). With a
-    workspace, its buffers are reused (see DecodeWorkspace); without, they are allocated per call."""
+    launch (decode_launches; default PDL). With a workspace, its buffers are reused (see DecodeWorkspace); without,
+    they are allocated per call."""
     return decode_launches(q, kv, sm_scale, num_splits, workspace, num_warps, num_stages, maxnreg, kernel,
-                           rest_warps, pdl, rest_maxnreg, rest_blocks, rest_keys=rest_keys, merge=merge)()
+                           rest_warps, pdl, rest_maxnreg, rest_blocks, rest_keys=rest_keys)()
 
 
 @dataclass
 class DecodeLaunches:
-    """decode_attention's launches, each with every setting resolved, so that each can also be timed alone (bench
-    attention's parts); calling the whole runs them in order (the remaining blocks first, or with `pdl` the paged
-    slots first, then the merge: None where the "last" merge leaves it to the programs) and returns `out`, which the
-    merge writes."""
+    """decode_attention's three launches, each with every setting resolved, so that each can also be timed alone
+    (bench attention's parts); calling the whole runs them in order (the remaining blocks first, or with `pdl` the
+    paged slots first) and returns `out`, which the merge writes."""
     remaining: Callable[[], None]
     paged: Callable[[], None]
-    merge: Callable[[], None] | None
+    merge: Callable[[], None]
     out: torch.Tensor
     pdl: bool = False
 
     def __call__(self) -> torch.Tensor:
         for launch in (self.paged, self.remaining) if self.pdl else (self.remaining, self.paged):
             launch()
-        if self.merge is not None:
-            self.merge()
+        self.merge()
         return self.out
 
 
@@ -781,7 +784,7 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
                     maxnreg: int | None = None, kernel: str = "auto", rest_warps: int | None = None,
                     pdl: bool | None = None, rest_maxnreg: int | None = None,
                     rest_blocks: int | None = None, times: tuple | None = None,
-                    rest_keys: str | None = None, merge: str | None = None) -> DecodeLaunches:
+                    rest_keys: str | None = None) -> DecodeLaunches:
     """The launches of decode_attention (same arguments): the remaining blocks' kernel, the paged slots' kernel and
     the merge, with the kernel, split, register cap and warps resolved as it resolves them.
 
@@ -799,9 +802,6 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     rest_keys = REST_KEYS if rest_keys is None else rest_keys
     if rest_keys not in ("auto", *KEY_READS):
         raise ValueError(f"rest_keys {rest_keys!r}: choose one of auto, {', '.join(KEY_READS)}")
-    merge = MERGE if merge is None else merge
-    if merge not in MERGES:
-        raise ValueError(f"merge {merge!r}: choose one of {', '.join(MERGES)}")
     bsz, hq, d = q.shape
     h = kv.k_fp.shape[1]
     q = q.contiguous()
@@ -835,14 +835,9 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
     # 1-3 us faster at three of six shapes and as much slower at the other three; as programs of the Gluon kernel's
     # launch, slower at all six; first, with the paged kernel started beside them by PDL, 2 us slower at batch 1 /
     # 32K: BENCHMARKS.md section 1, sessions 12 to 14.)
-    npart = num_splits + rest
-    # the "last" merge: (the output, the pairs' counters, parts a step) for each kernel (kernels/merge.py)
-    last = (parts[3], workspace.counters(q, kv)) if merge == "last" else None
-
     def remaining():
         launch_rest(q, kv, qk_scale, parts[:3], num_splits, dot, precision(dot), rest_warps, pdl, rest_maxnreg,
-                    rest_blocks, times[1] if times else None, rest_keys,
-                    last and (*last, last_merge_parts(npart, d)))
+                    rest_blocks, times[1] if times else None, rest_keys)
 
     if is_gluon(kernel):
         from . import decode_gluon
@@ -852,20 +847,17 @@ def decode_launches(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: i
 
         def paged():
             decode_gluon.launch(q, kv, qk_scale, parts[:3], num_splits, maxnreg, descriptors=descriptors, pdl=pdl,
-                                times=times[0] if times else None, query_rows=query_rows,
-                                merge=last and (*last, decode_gluon.merge_parts(npart, hq // h, d)), **options)
+                                times=times[0] if times else None, query_rows=query_rows, **options)
     elif times:
         raise ValueError(f"times: the paged launch's programs write them in a Gluon kernel, not in {kernel!r}")
     else:
         args, constants = split_kernel_arguments(q, kv, sm_scale, parts[:3], num_splits)
-        out, counts = last or (None, None)
 
         def paged():
             _decode_split_kernel[(bsz, h, num_splits)](*args, **constants, num_warps=num_warps,
-                                                       num_stages=num_stages, PDL=pdl, out_ptr=out, count_ptr=counts,
-                                                       MERGE_S=last_merge_parts(npart, d),
+                                                       num_stages=num_stages, PDL=pdl,
                                                        **({"maxnreg": maxnreg} if maxnreg < 255 else {}))
-    return DecodeLaunches(remaining, paged, None if last else lambda: merge_splits(*parts, pdl=pdl), parts[3], pdl)
+    return DecodeLaunches(remaining, paged, lambda: merge_splits(*parts, pdl=pdl), parts[3], pdl)
 
 
 def choose_rest_keys(blocks_per_program: int, programs: int, sm_count: int) -> str:

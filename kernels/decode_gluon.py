@@ -56,7 +56,6 @@ Gluon: `decode_attention(..., kernel="gluon")` is tested on a GPU against the Py
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -1052,8 +1051,7 @@ def _gluon_paged_kernel(
         FOLD_MAX: gl.constexpr = False, Q_ROWS: gl.constexpr = False, TWO_ROWS: gl.constexpr = False,
         PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
-        PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0, out_ptr=None, count_ptr=None,
-        MERGE_S: gl.constexpr = 1):
+        PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
     _program_slots split), written as partial (output, max, sum) number `part`. klow_ptr ... vzero_ptr: the page
     tensors, as pointers or, with TMA (decode_attention(kernel="gluon-tma")), as tensor descriptors; kscale_rows /
@@ -1073,9 +1071,7 @@ def _gluon_paged_kernel(
     for its key pages and for its value pages (their mbarriers) and its cycles from start to end (%clock64, read
     around each wait: the page loop changes). PAD / PAD_N (a measurement, `bench tune --vary pad`): PAD_N more
     instructions a page of one kind ("alu": LOP3, "fma": FFMA, "mma": HMMA) on the scores, that add nothing
-    (pad_zero, 0 at run time, masks them out): what one more instruction of each kind costs this kernel (_pad).
-    count_ptr (the "last" merge, kernels/merge.py): the program counts itself in its pair's counter once its partial
-    is stored, and the pair's last program merges its rows into out_ptr, MERGE_S parts a step (_merge_if_last)."""
+    (pad_zero, 0 at run time, masks them out): what one more instruction of each kind costs this kernel (_pad)."""
     if times_ptr is not None:
         started = _globaltimer()
     key_wait = 0                                    # WAITS: cycles waited for key pages, for value pages
@@ -1165,8 +1161,6 @@ def _gluon_paged_kernel(
     gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
     gl.store(out + 3 * D4, acc3 * _pick(QUARTER_WEIGHT, 3) + zrow, mask=omask)
-    if count_ptr is not None:
-        _merge_if_last(count_ptr, b * H + h, po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, GROUP, D, MERGE_S)
     if times_ptr is not None:
         row = times_ptr + ((b * H + h) * NSPLIT + part).to(gl.int64) * TIMES_ROW
         gl.store(row, started)
@@ -1176,59 +1170,6 @@ def _gluon_paged_kernel(
             gl.store(row + 3, key_wait)
             gl.store(row + 4, value_wait)
             gl.store(row + 5, _clock() - began)
-
-
-@gluon.constexpr_function
-def _merge_layout(D):
-    """The "last" merge's (parts, heads, channels) tiles: each lane D / 32 consecutive channels of every part and
-    head."""
-    return gl.BlockedLayout([1, 1, D // 32], [1, 1, 32], [1, 1, 1], [2, 1, 0])
-
-
-@gluon.constexpr_function
-def _next_power_of_2(n):
-    return triton.next_power_of_2(n)
-
-
-@gluon.jit
-def _merge_if_last(count_ptr, pair, po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, GROUP: gl.constexpr, D: gl.constexpr,
-                   MERGE_S: gl.constexpr):
-    """kernels/merge.py's merge_if_last in Gluon: the program's partial of (sequence, KV head) `pair` is stored, one
-    more in the pair's count; the program whose add makes it NPART merges the pair's GROUP rows into out_ptr,
-    MERGE_S parts a step, all heads at once (each step's loads in flight together), and sets the count back to
-    zero."""
-    _BARRIER()                                      # every lane's stores come before the count (a cumulative release)
-    if gl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu") == NPART - 1:
-        gl.atomic_xchg(count_ptr + pair, 0, sem="relaxed", scope="gpu")
-        GP: gl.constexpr = _next_power_of_2(GROUP)
-        lay: gl.constexpr = _merge_layout(D)
-        parts_heads: gl.constexpr = gl.SliceLayout(2, lay)
-        heads_channels: gl.constexpr = gl.SliceLayout(0, lay)
-        channels = gl.arange(0, D, layout=gl.SliceLayout(0, heads_channels))
-        s = gl.arange(0, MERGE_S, layout=gl.SliceLayout(1, parts_heads))[:, None]
-        g = gl.arange(0, GP, layout=gl.SliceLayout(0, parts_heads))[None, :]
-        at = (pair.to(gl.int64) * GROUP + g) * NPART + s                     # (part, head): a partial's index
-        m_run = gl.full([GP], float("-inf"), gl.float32, gl.SliceLayout(0, parts_heads))
-        den = gl.zeros([GP], gl.float32, gl.SliceLayout(0, parts_heads))
-        num = gl.zeros([GP, D], gl.float32, heads_channels)
-        for first in range(0, NPART, MERGE_S):
-            present = (first + s < NPART) & (g < GROUP)
-            m = gl.load(pm_ptr + at + first, mask=present, other=float("-inf"), cache_modifier=".cg")
-            lsum = gl.load(pl_ptr + at + first, mask=present, other=0.0, cache_modifier=".cg")
-            o = gl.load(po_ptr + gl.expand_dims((at + first) * D, 2) + gl.expand_dims(channels[None, :], 0),
-                        mask=gl.expand_dims(present, 2), other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(m_run, gl.max(m, axis=0))
-            alpha = gl.where(m_run > float("-inf"), gl.exp2(m_run - m_new), 0.0)
-            w = gl.where(m > float("-inf"), gl.exp2(m - m_new[None, :]), 0.0)   # empty parts (m = -inf) weigh 0
-            den = den * alpha + gl.sum(lsum * w, axis=0)
-            alpha = gl.convert_layout(alpha, gl.SliceLayout(1, heads_channels))
-            num = num * alpha[:, None] + gl.sum(o * gl.expand_dims(w, 2), axis=0)
-            m_run = m_new
-        den = gl.convert_layout(den, gl.SliceLayout(1, heads_channels))
-        head = gl.arange(0, GP, layout=gl.SliceLayout(1, heads_channels))[:, None]
-        row = pair.to(gl.int64) * GROUP + head
-        gl.store(out_ptr + row * D + channels[None, :], (num / den[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=head < GROUP)
 
 
 @gluon.constexpr_function
@@ -1370,20 +1311,6 @@ def kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_s
     return args, constants
 
 
-# A step of the "last" merge (_merge_if_last): at most this many floats of (parts x heads x channels), 128 a lane,
-# for a group of up to 4 heads; half that for 8, whose running sums and addresses take twice the registers (no spills
-# at the GPU tests' shapes at a cap of 168: kernels.sass_profile's compile_gluon_launch with merge=True; 128 a lane
-# for 8 heads spilled 216 bytes)
-MERGE_FLOATS = 4096
-
-
-def merge_parts(num_parts: int, group: int, head_dim: int) -> int:
-    """MERGE_S of the "last" merge of num_parts parts a row for a KV group of `group` heads: all parts in one step
-    where MERGE_FLOATS allow it, else as many as they do."""
-    heads = triton.next_power_of_2(group)
-    return max(1, min(triton.next_power_of_2(num_parts), MERGE_FLOATS * 4 // max(4, heads) // (heads * head_dim)))
-
-
 def query_rows_shape(q: torch.Tensor, kv: PagedKV) -> tuple[int, ...]:
     """The transposed queries' workspace of Q_ROWS ("q-rows"): (sequences, KV heads, head_dim, HEADS_PER_TILE)."""
     return (q.shape[0], kv.k_fp.shape[1], q.shape[-1], HEADS_PER_TILE)
@@ -1420,22 +1347,17 @@ def supports_kernel(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
 def launch(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, num_splits: int, maxnreg: int,
            use_tma: bool = False, descriptors: tuple | None = None, pdl: bool = False, i8: int = 0,
            compute: bool = True, copies: bool = True, times: torch.Tensor | None = None, waits: bool = False,
-           pad: tuple[str, int] | None = None, query_rows: torch.Tensor | None = None,
-           merge: tuple[torch.Tensor, torch.Tensor, int] | None = None, **experiments: bool) -> None:
+           pad: tuple[str, int] | None = None, query_rows: torch.Tensor | None = None, **experiments: bool) -> None:
     """Run _gluon_paged_kernel (see kernel_arguments) with a register cap per thread (255: the compiler's); pdl: its
     programs let the next grid start beside them (its PDL); i8: the 8-bit products (I8_PRODUCTS, with TMA only);
     experiments: the experiments' flags (kernel_options: zq_ahead, fold_max, q_rows; query_rows: q_rows' workspace,
     query_rows_shape, allocated here if not given).
     Measurements, not attention: compute=False, the copies alone; copies=False, the arithmetic alone; times (int64,
     TIMES_ROW a program), each program's start, end and multiprocessor, and with waits its cycles waiting for keys
-    and for values and in all (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N; merge (the "last"
-    merge, kernels/merge.py): (the output, the pairs' counters, parts a step: merge_parts), the kernel's out_ptr,
-    count_ptr and MERGE_S."""
+    and for values and in all (WAITS); pad (kind, instructions a page): the kernel's PAD / PAD_N."""
     args, constants = kernel_arguments(q, kv, qk_scale, parts, num_splits, use_tma, descriptors, i8, query_rows,
                                        **experiments)
-    out, counts, merge_s = merge or (None, None, 1)
     _gluon_paged_kernel[(q.shape[0], kv.k_fp.shape[1], num_splits)](
         *args, **constants, PDL=pdl, COMPUTE=compute, COPIES=copies, times_ptr=times, WAITS=waits,
-        out_ptr=out, count_ptr=counts, MERGE_S=merge_s,
         **({"PAD": pad[0], "PAD_N": pad[1]} if pad else {}), num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg < 255 else {}))

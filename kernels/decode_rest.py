@@ -25,7 +25,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
 from .layout import PagedKV, key_tile, key_tile_and_operand, value_tile
-from .merge import merge_if_last
 from .unpack import field_asm, unpacking
 
 # int64 a program in a timeline's rows (bench tune --vary timeline), this kernel's and the Gluon paged kernel's
@@ -280,8 +279,7 @@ def _rest_kernel(
         BPP: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, T: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_NB: tl.constexpr, PDL: tl.constexpr = False,
-        KEYS: tl.constexpr = 0, ASM: tl.constexpr = 0, times_ptr=None, out_ptr=None, count_ptr=None,
-        MERGE_S: tl.constexpr = 1):
+        KEYS: tl.constexpr = 0, ASM: tl.constexpr = 0, times_ptr=None):
     """Program (b, h, p): blocks p * BPP .. p * BPP + BPP - 1 (of the NBLK launched a sequence; _rest_block numbers
     them) of sequence b's remaining tokens for KV head h, one after the other with a running softmax, written as
     part FIRST_PART + p. Blocks without a token of the sequence are skipped (a program with none writes an empty
@@ -295,10 +293,7 @@ def _rest_kernel(
     batch 64 / 4K: 70.0 us a call then, 65.0 now; BENCHMARKS.md section 1, session 25). times_ptr (a measurement,
     `bench tune --vary timeline`): each program writes when it started and ended (%globaltimer, ns; its end before
     the last program's wait) and its multiprocessor, TIMES_ROW int64 a program in grid order, as the Gluon kernel's
-    programs do. count_ptr (the "last" merge, kernels/merge.py): the program counts itself in its pair's counter,
-    and the pair's last program merges its rows into out_ptr, MERGE_S parts a step (merge_if_last); with PDL the
-    grid's last program still waits for the paged grid, so that this grid's end means both grids' merges are done
-    for whatever the stream runs next."""
+    programs do."""
     if times_ptr is not None:
         started = globaltimer()
     if PDL:
@@ -345,8 +340,6 @@ def _rest_kernel(
     tl.store(pm_ptr + idx, m_i, mask=hmask)
     tl.store(pl_ptr + idx, l_i, mask=hmask)
     tl.store(po_ptr + idx[:, None] * D + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
-    if count_ptr is not None:
-        merge_if_last(count_ptr, kv_head, po_ptr, pm_ptr, pl_ptr, out_ptr, NPART, GROUP, D, BLOCK_D, MERGE_S)
     if times_ptr is not None:
         row = times_ptr + ((b * H + h) * tl.num_programs(2) + p).to(tl.int64) * TIMES_ROW
         tl.store(row, started)
@@ -381,20 +374,16 @@ def rest_kernel_arguments(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, 
 
 def launch_rest(q: torch.Tensor, kv: PagedKV, qk_scale: float, parts, first_part: int, dot, prec: str,
                 num_warps: int, pdl: bool = False, maxnreg: int | None = None, blocks_per_program: int = 1,
-                times: torch.Tensor | None = None, keys: str = "elements",
-                merge: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+                times: torch.Tensor | None = None, keys: str = "elements") -> None:
     """Run _rest_kernel (see rest_kernel_arguments) for every sequence and KV head, num_warps warps a program,
     blocks_per_program blocks each; pdl: by programmatic dependent launch, beside the paged slots' kernel launched
     just before; maxnreg: a register cap per thread (a one-warp program of at most 176 fits beside 11 paged programs
     of 168 registers, which leave one scheduler 5,632 registers: bench tune --vary rest-pdl); times (a measurement,
     int64, TIMES_ROW a program, at least as many rows as programs): the kernel's times_ptr; keys:
-    rest_kernel_arguments'; merge (the "last" merge): (the output, the pairs' counters, parts a step), the kernel's
-    out_ptr, count_ptr and MERGE_S."""
+    rest_kernel_arguments'."""
     args, constants = rest_kernel_arguments(q, kv, qk_scale, parts, first_part, dot, prec, pdl, blocks_per_program,
                                             keys)
     grid = (q.shape[0], kv.k_fp.shape[1], rest_parts(kv, blocks_per_program))
-    out, counts, merge_parts = merge or (None, None, 1)
-    _rest_kernel[grid](*args, **constants, times_ptr=times, out_ptr=out, count_ptr=counts, MERGE_S=merge_parts,
-                       num_warps=num_warps,
+    _rest_kernel[grid](*args, **constants, times_ptr=times, num_warps=num_warps,
                        **({"launch_pdl": True} if pdl else {}),
                        **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -53,14 +53,11 @@ def example_paged_kv(method: str, heads: int, head_dim: int, dtype: torch.dtype)
 
 def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, num_warps: int = 1, num_stages: int = 3,
-                         maxnreg: int | None = None, pdl: bool = False, merge: bool = False):
-    """decode_attention's Triton paged kernel for an example cache of `method` (merge: with the "last" merge,
-    kernels/merge.py)."""
+                         maxnreg: int | None = None, pdl: bool = False):
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import MAXNREG, _decode_split_kernel, split_kernel_arguments
     from kernels.decode_rest import rest_parts
-    from kernels.merge import last_merge_parts
     maxnreg = maxnreg or MAXNREG
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
@@ -68,38 +65,22 @@ def compile_split_kernel(method: str, dtype: torch.dtype, group: int, heads: int
     parts = (torch.zeros(1, heads * group, n, head_dim), torch.zeros(1, heads * group, n),
              torch.zeros(1, heads * group, n))
     args, constants = split_kernel_arguments(q, kv, head_dim ** -0.5, parts, splits)
-    merging = _merge_constants(merge, last_merge_parts(n, head_dim))
-    return _compile(ASTSource, _decode_split_kernel, args, {**constants, "PDL": pdl, **merging}, arch,
+    return _compile(ASTSource, _decode_split_kernel, args, {**constants, "PDL": pdl}, arch,
                     {"num_warps": num_warps, "num_stages": num_stages,
-                     **({"maxnreg": maxnreg} if maxnreg < 255 else {})}, _merge_arguments(q, merge))
-
-
-def _merge_constants(merge: bool, parts: int) -> dict:
-    """The "last" merge's pointers left out (None, as a launch without it passes them), or its step's parts (what
-    decode_launches gives the kernel for `parts` parts a row)."""
-    return {"MERGE_S": parts} if merge else {"out_ptr": None, "count_ptr": None}
-
-
-def _merge_arguments(q: torch.Tensor, merge: bool) -> dict | None:
-    """The "last" merge's output and counters, as later arguments by name (_compile's named)."""
-    return {"out_ptr": torch.zeros(q.shape, dtype=q.dtype), "count_ptr": torch.zeros(1, dtype=torch.int32)} \
-        if merge else None
+                     **({"maxnreg": maxnreg} if maxnreg < 255 else {})})
 
 
 def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                         arch: int = 90, num_warps: int = 2, pdl: bool = False, blocks_per_program: int = 1,
-                        times: bool = False, maxnreg: int | None = None, keys: str = "elements",
-                        merge: bool = False):
+                        times: bool = False, maxnreg: int | None = None, keys: str = "elements"):
     """The remaining blocks' kernel (kernels/decode_rest.py) for the same example cache as compile_split_kernel, its
     programs taking blocks_per_program blocks each (times: writing each program's start, end and multiprocessor,
     bench tune --vary timeline; maxnreg: launch_rest's register cap, None or 255 the compiler's choice; keys: how
-    its key pages' blocks read their codes, decode_attention's rest_keys; merge: with the "last" merge,
-    kernels/merge.py)."""
+    its key pages' blocks read their codes, decode_attention's rest_keys)."""
     from triton.compiler import ASTSource
 
     from kernels.decode_attention import dot_dtype, precision
     from kernels.decode_rest import TIMES_ROW, _rest_kernel, rest_kernel_arguments, rest_parts
-    from kernels.merge import last_merge_parts
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     n = rest_parts(kv, blocks_per_program)
@@ -107,38 +88,35 @@ def compile_rest_kernel(method: str, dtype: torch.dtype, group: int, heads: int 
              torch.zeros(1, heads * group, n))
     args, constants = rest_kernel_arguments(q, kv, 1.0, parts, 0, dot_dtype(dtype), precision(dot_dtype(dtype)),
                                             pdl, blocks_per_program, keys)
-    return _compile(ASTSource, _rest_kernel, args,
-                    {**constants, **({} if times else {"times_ptr": None}),
-                     **_merge_constants(merge, last_merge_parts(n, head_dim))}, arch,
+    return _compile(ASTSource, _rest_kernel, args, {**constants, **({} if times else {"times_ptr": None})}, arch,
                     {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg and maxnreg < 255 else {})},
-                    {**({"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else {}),
-                     **(_merge_arguments(q, merge) or {})})
+                    {"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else None)
 
 
 def compile_gluon_kernel(method: str, dtype: torch.dtype, group: int, heads: int = 8, head_dim: int = 128,
                          splits: int = 16, arch: int = 90, maxnreg: int = 255, use_tma: bool = False,
                          pdl: bool = False, i8: int = 0, compute: bool = True, copies: bool = True,
                          times: bool = False, waits: bool = False, pad: tuple[str, int] | None = None,
-                         merge: bool = False, **experiments: bool):
+                         **experiments: bool):
     """The Gluon kernel of decode_attention(kernel="gluon"), or with use_tma that of kernel="gluon-tma", for the same
     example cache as compile_split_kernel (compute=False: its copies alone, copies=False: its arithmetic alone;
     bench tune --vary loads; times: writing each program's start, end and multiprocessor, --vary timeline, with
-    waits also its waits for pages; pad: (kind, instructions a page) more, --vary pad; merge: with the "last"
-    merge, kernels/merge.py; experiments: the flags of decode_gluon.kernel_options, zq_ahead=True ...)."""
+    waits also its waits for pages; pad: (kind, instructions a page) more, --vary pad; experiments: the flags of
+    decode_gluon.kernel_options, zq_ahead=True ...)."""
     kv = example_paged_kv(method, heads, head_dim, dtype)
     q = torch.zeros(1, heads * group, head_dim, dtype=dtype)
     return compile_gluon_launch(q, kv, splits, arch, maxnreg, use_tma, pdl, i8, compute, copies, times, waits, pad,
-                                merge, **experiments)
+                                **experiments)
 
 
 def compile_gluon_launch(q: torch.Tensor, kv, splits: int = 16, arch: int = 90, maxnreg: int = 255,
                          use_tma: bool = False, pdl: bool = False, i8: int = 0, compute: bool = True,
                          copies: bool = True, times: bool = False, waits: bool = False,
-                         pad: tuple[str, int] | None = None, merge: bool = False, **experiments: bool):
+                         pad: tuple[str, int] | None = None, **experiments: bool):
     """compile_gluon_kernel for queries q (B, HQ, D) over the cache kv (CPU tensors of any launch's shapes)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments, merge_parts
+    from kernels.decode_gluon import _gluon_paged_kernel, kernel_arguments
     from kernels.decode_rest import TIMES_ROW
     b, hq, head_dim = q.shape
     parts = (torch.zeros(b, hq, splits, head_dim), torch.zeros(b, hq, splits), torch.zeros(b, hq, splits))
@@ -146,11 +124,10 @@ def compile_gluon_launch(q: torch.Tensor, kv, splits: int = 16, arch: int = 90, 
     return _compile(GluonASTSource, _gluon_paged_kernel, args,
                     {**constants, "PDL": pdl, "COMPUTE": compute, "COPIES": copies,
                      **({} if times else {"times_ptr": None}), "WAITS": waits, "PAD": pad[0] if pad else "",
-                     "PAD_N": pad[1] if pad else 0,
-                     **_merge_constants(merge, merge_parts(splits, hq // kv.k_fp.shape[1], head_dim))}, arch,
+                     "PAD_N": pad[1] if pad else 0}, arch,
                     {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg < 255 else {})},
                     {**({"times_ptr": torch.zeros(TIMES_ROW.value, dtype=torch.int64)} if times else {}),
-                     "pad_zero": 0, **(_merge_arguments(q, merge) or {})})
+                     "pad_zero": 0})
 
 
 def compile_merge_kernel(rows: int = 32, head_dim: int = 128, parts: int = 41, arch: int = 90, pdl: bool = False):
