@@ -569,8 +569,10 @@ def _zero_rows(zero_s, K: gl.constexpr, TWO_ROWS: gl.constexpr = False):
         # one multiply-add a register of two operands (the rows' 0 / 1 factors are the same on every page)
         first = gl.where(rows == 0, 1.0, 0.0).to(DOT)
         ones = gl.where(rows == 8, 1.0, 0.0).to(DOT)
-        return _a_operand(zero[None, :].to(DOT) * first + ones, 16, K)
-    return _a_operand(gl.where(rows < 8, zero[None, :], 1.0).to(DOT), 16, K)
+        x = zero[None, :].to(DOT) * first + ones
+    else:
+        x = gl.where(rows < 8, zero[None, :], 1.0).to(DOT)
+    return _a_operand(x, 16, K)
 
 
 @gluon.jit
@@ -580,10 +582,12 @@ def _sums_row(sums, ROW: gl.constexpr, TWO_ROWS: gl.constexpr):
     and the others are zero."""
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, _mma()))[:, None]
     if TWO_ROWS:
-        return gl.sum(gl.where(rows == ROW, sums, 0.0), axis=0)
-    if ROW == 0:
-        return gl.max(gl.where(rows < 8, sums, float("-inf")), axis=0)
-    return gl.max(gl.where(rows < 8, float("-inf"), sums), axis=0)
+        row = gl.sum(gl.where(rows == ROW, sums, 0.0), axis=0)
+    elif ROW == 0:
+        row = gl.max(gl.where(rows < 8, sums, float("-inf")), axis=0)
+    else:
+        row = gl.max(gl.where(rows < 8, float("-inf"), sums), axis=0)
+    return row
 
 
 @gluon.jit
