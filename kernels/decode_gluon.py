@@ -993,7 +993,7 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
           QT: gl.constexpr = False, TWO_ROWS: gl.constexpr = False):
     """Paged slot `slot` of _gluon_paged_kernel's loop (its arguments; keys / values: the page tensors' pointers or
     descriptors; zq_row: the slot's keys' zero terms, ZQ_AHEAD, or None; QT: q_rows is the transposed queries,
-    Q_ROWS; TWO_ROWS: TWO_ROWS's sums, _zero_rows): wait for its keys, their scores, refill the
+    Q_ROWS; TWO_ROWS: the sums' first operand of two rows, _zero_rows): wait for its keys, their scores, refill the
     key buffer with the next slot's, wait for its values, the softmax and value products, refill the value buffer.
     pipeline: (phase, this slot's key page, the next slot's key and value pages, key and value waits), state: (running
     max, the sums of p and of p * zero, the 4 accumulators); returns both after the slot."""
