@@ -606,8 +606,11 @@ GLUON_MAXNREG_FEW = 192
 # - "two-rows": the sums of p and of p * zero from a first operand whose rows are the zeros (row 0) and ones (row 8)
 #   and zeros elsewhere, instead of 8 copies of each (decode_gluon's TWO_ROWS): the same products and sums, with
 #   14 of 16 rows zero for the matrix unit's power, as the padding heads' zero columns (_live_heads) saved it.
+# - "pairs": two token quarters a score tile, the second in the first's padding heads' columns (decode_gluon's PAIRS,
+#   with fold-max; KV groups of at most 4 heads): half the softmax instructions and half the products of the sums a
+#   page, for a shuffle a register and the same numbers.
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
-GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows", "two-rows")
+GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows", "two-rows", "pairs")
 FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
 ROWS_KERNEL = FOLDED_KERNEL + "+q-rows"
 ROWS_PAGES = 64                    # measured faster at 85 pages a program, equal at 43
@@ -624,8 +627,8 @@ def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
     """decode_attention's `kernel` -> (its base, the experiments its name adds): ("gluon-tma", ("zq-ahead",)) for
     "gluon-tma+zq-ahead". ValueError for a name decode_attention does not take: a base outside KERNELS,
     experiments on a kernel that is not a Gluon kernel, an unknown or repeated experiment, "fold-max" without
-    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms), or
-    "q-rows" on the 8-bit key products."""
+    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms),
+    "q-rows" on the 8-bit key products, or "pairs" without "fold-max" or with "two-rows"."""
     base, *extras = kernel.split("+")
     if base not in KERNELS or (extras and base not in GLUON_KERNELS):
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}, a Gluon kernel "
@@ -639,6 +642,9 @@ def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
                          "terms of zq-ahead into the exponent: it takes a kernel with both")
     if "q-rows" in extras and base.endswith(("i8k", "i8")):
         raise ValueError(f"decode kernel {kernel!r}: q-rows builds the fp16 key products' boosted operand")
+    if "pairs" in extras and ("fold-max" not in extras or "two-rows" in extras):
+        raise ValueError(f"decode kernel {kernel!r}: pairs takes the folded exponent (fold-max) and sums a pair of "
+                         "quarters with its own first operand (not two-rows)")
     return base, tuple(extras)
 
 
@@ -686,8 +692,9 @@ def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_war
     shape = (q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), sm_count or multiprocessors(q.device))
     if is_gluon(kernel):
         from . import decode_gluon
-        zq_ahead = decode_gluon.kernel_options(kernel)["zq_ahead"]
-        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, zq_ahead))
+        options = decode_gluon.kernel_options(kernel)
+        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, options["zq_ahead"],
+                                                                      options["pairs"]))
     return default_splits(*shape, resident_programs(maxnreg, num_warps))
 
 
@@ -697,8 +704,9 @@ def gluon_maxnreg(q: torch.Tensor, kv: PagedKV, num_splits: int, kernel: str = "
     GLUON_MAXNREG."""
     from . import decode_gluon
     per_sm = -(-q.shape[0] * kv.k_fp.shape[1] * num_splits // multiprocessors(q.device))
-    zq_ahead = decode_gluon.kernel_options(kernel)["zq_ahead"]
-    few = per_sm <= decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG_FEW, zq_ahead)
+    options = decode_gluon.kernel_options(kernel)
+    few = per_sm <= decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG_FEW, options["zq_ahead"],
+                                                   options["pairs"])
     return GLUON_MAXNREG_FEW if few else GLUON_MAXNREG
 
 
