@@ -390,11 +390,10 @@ def bench_tune(args) -> dict:
                   # keys' zero terms 16 pages a product, and with the exponent's multiply-add folding the scores'
                   # weights (FOLDED_KERNEL, what "auto" takes for launches of many pages a program), and with the
                   # boosted channels' queries from a transposed copy (ROWS_KERNEL, kitty-pro's longest launches), and
-                  # with the sums of p and p * zero from a first operand of two rows (two-rows, for the power cap),
-                  # or with two token quarters a score tile (pairs: fewer softmax instructions and sums' products)
+                  # with the sums of p and p * zero from a first operand of two rows (two-rows, for the power cap)
                   "experiments": [{**gluon(cap, kernel=k), "loads": half} for k in (
-                      "gluon-tma", "gluon-tma+zq-ahead", FOLDED_KERNEL, ROWS_KERNEL, ROWS_KERNEL + "+two-rows",
-                      ROWS_KERNEL + "+pairs") for half in (None, "whole", "arithmetic")]}
+                      "gluon-tma", "gluon-tma+zq-ahead", FOLDED_KERNEL, ROWS_KERNEL, ROWS_KERNEL + "+two-rows")
+                      for half in (None, "whole", "arithmetic")]}
         settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
         settings = [s for i, s in enumerate(settings) if s not in settings[:i]
                     and (not (s["loads"] or s["timeline"]) or gluon_supports_tma(q, kv))]  # the halves, timelines

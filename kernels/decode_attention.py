@@ -606,11 +606,13 @@ GLUON_MAXNREG_FEW = 192
 # - "two-rows": the sums of p and of p * zero from a first operand whose rows are the zeros (row 0) and ones (row 8)
 #   and zeros elsewhere, instead of 8 copies of each (decode_gluon's TWO_ROWS): the same products and sums, with
 #   14 of 16 rows zero for the matrix unit's power, as the padding heads' zero columns (_live_heads) saved it.
-# - "pairs": two token quarters a score tile, the second in the first's padding heads' columns (decode_gluon's PAIRS,
-#   with fold-max; KV groups of at most 4 heads): half the softmax instructions and half the products of the sums a
-#   page, for a shuffle a register and the same numbers.
+# Deleted after measuring (BENCHMARKS.md section 1, session 44; commit 97aa8f3 holds it): "pairs", two token quarters
+# a score tile, the second's scores shuffled into the first's padding heads' columns (8 fewer instructions and 4
+# fewer products a kitty-pro page, sm_90): on an H100 the call was 7.6 us slower at 64 / 32K and its arithmetic alone
+# took longer (315.8 against 314.0 us) at more power (449 against 429 W): the shuffles and the shared-memory round
+# trip lengthen each warp's page, and 3 warps a scheduler do not hide that.
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
-GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows", "two-rows", "pairs")
+GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows", "two-rows")
 FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
 ROWS_KERNEL = FOLDED_KERNEL + "+q-rows"
 ROWS_PAGES = 64                    # measured faster at 85 pages a program, equal at 43
@@ -627,8 +629,8 @@ def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
     """decode_attention's `kernel` -> (its base, the experiments its name adds): ("gluon-tma", ("zq-ahead",)) for
     "gluon-tma+zq-ahead". ValueError for a name decode_attention does not take: a base outside KERNELS,
     experiments on a kernel that is not a Gluon kernel, an unknown or repeated experiment, "fold-max" without
-    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms),
-    "q-rows" on the 8-bit key products, or "pairs" without "fold-max" or with "two-rows"."""
+    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms), or
+    "q-rows" on the 8-bit key products."""
     base, *extras = kernel.split("+")
     if base not in KERNELS or (extras and base not in GLUON_KERNELS):
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}, a Gluon kernel "
@@ -642,9 +644,6 @@ def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
                          "terms of zq-ahead into the exponent: it takes a kernel with both")
     if "q-rows" in extras and base.endswith(("i8k", "i8")):
         raise ValueError(f"decode kernel {kernel!r}: q-rows builds the fp16 key products' boosted operand")
-    if "pairs" in extras and ("fold-max" not in extras or "two-rows" in extras):
-        raise ValueError(f"decode kernel {kernel!r}: pairs takes the folded exponent (fold-max) and sums a pair of "
-                         "quarters with its own first operand (not two-rows)")
     return base, tuple(extras)
 
 
@@ -692,9 +691,8 @@ def split_count(q: torch.Tensor, kv: PagedKV, kernel: str, maxnreg: int, num_war
     shape = (q.shape[0], kv.k_fp.shape[1], max(1, kv.k_table.shape[1]), sm_count or multiprocessors(q.device))
     if is_gluon(kernel):
         from . import decode_gluon
-        options = decode_gluon.kernel_options(kernel)
-        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, options["zq_ahead"],
-                                                                      options["pairs"]))
+        zq_ahead = decode_gluon.kernel_options(kernel)["zq_ahead"]
+        return balanced_splits(*shape, decode_gluon.resident_programs(kv, q.shape[-1], maxnreg, zq_ahead))
     return default_splits(*shape, resident_programs(maxnreg, num_warps))
 
 
@@ -704,9 +702,8 @@ def gluon_maxnreg(q: torch.Tensor, kv: PagedKV, num_splits: int, kernel: str = "
     GLUON_MAXNREG."""
     from . import decode_gluon
     per_sm = -(-q.shape[0] * kv.k_fp.shape[1] * num_splits // multiprocessors(q.device))
-    options = decode_gluon.kernel_options(kernel)
-    few = per_sm <= decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG_FEW, options["zq_ahead"],
-                                                   options["pairs"])
+    zq_ahead = decode_gluon.kernel_options(kernel)["zq_ahead"]
+    few = per_sm <= decode_gluon.resident_programs(kv, q.shape[-1], GLUON_MAXNREG_FEW, zq_ahead)
     return GLUON_MAXNREG_FEW if few else GLUON_MAXNREG
 
 

@@ -109,8 +109,7 @@ def takes_shapes(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
     (0, 16 or a multiple of 32), and slots that can be paged: 2- or 4-bit values, and page tables with a column each
     (a cache's tables have none until its first page). With TMA copies, boxes of at least 16 bytes; the 8-bit key
     products take boosted channels in one chunk of 32 or none, the 8-bit value products pages of 128 and 2-bit
-    values; PAIRS a group of at most 4 heads (half the tile's columns). (supports_kernel adds the device's checks; a
-    CPU test compiles what this takes for sm_90.)"""
+    values. (supports_kernel adds the device's checks; a CPU test compiles what this takes for sm_90.)"""
     bsz, hq, d = q.shape
     h, g, nb = kv.k_fp.shape[1], kv.page_size, kv.n_boost
     options = kernel_options(kernel)
@@ -119,8 +118,7 @@ def takes_shapes(kernel: str, q: torch.Tensor, kv: PagedKV) -> bool:
             and g in (64, 128) and (nb in (0, 16) or nb % 32 == 0) and kv.v_bits in (2, 4)
             and kv.k_table.shape[1] > 0 and kv.v_table.shape[1] > 0
             and (not options["use_tma"] or (g // 4 >= 16 and nb in (0, 16, 32, 64, 128)))
-            and (i8 < 1 or nb in (0, 32)) and (i8 < 2 or (g == 128 and kv.v_bits == 2))
-            and (not options["pairs"] or hq // h <= HEADS_PER_TILE // 2))
+            and (i8 < 1 or nb in (0, 32)) and (i8 < 2 or (g == 128 and kv.v_bits == 2)))
 
 
 @gluon.constexpr_function
@@ -313,14 +311,12 @@ ZQ_PAGES = gl.constexpr(16)         # pages a product: the matrix instruction's 
 
 
 @gluon.jit
-def _zero_terms(zq_s, q_s, ktab, first, end, kzero_ptr, h, scale, H: gl.constexpr, D: gl.constexpr,
-                PAIRS: gl.constexpr = False):
+def _zero_terms(zq_s, q_s, ktab, first, end, kzero_ptr, h, scale, H: gl.constexpr, D: gl.constexpr):
     """ZQ_AHEAD: the keys' zero terms of slots first .. first + ZQ_SLOTS - 1 (those before end; ktab: the
     sequence's key page table), sum_d q_d * zero_d * scale per head (scale: qk_scale / Q_SCALE, so log2 units as
     _key_scores' sums), into zq_s (ZQ_SLOTS, HEADS) fp32, ZQ_PAGES pages a product chain: their zero vectors,
     gathered from kzero_ptr (pages x D, fp16), as the first operand's rows (columns in operand order: _a_operand),
-    the queries times Q_SCALE in q_s as the second (_b_operand: the same order). Rows past `end` are zero. PAIRS:
-    head n's term in columns n and n + 4 (the padding columns' terms are zero: q_s is zero there)."""
+    the queries times Q_SCALE in q_s as the second (_b_operand: the same order). Rows past `end` are zero."""
     mma: gl.constexpr = _mma()
     rows: gl.constexpr = _rows_layout(KC)
     cols: gl.constexpr = _cols_layout(KC)
@@ -336,8 +332,6 @@ def _zero_terms(zq_s, q_s, ktab, first, end, kzero_ptr, h, scale, H: gl.constexp
                 zero = gl.load(kzero_ptr + page[:, None] * D + (c * KC + d)[None, :], mask=present[:, None],
                                other=0.0)
                 zq = mma_v2(_a_operand(zero, ZQ_PAGES, KC), _b_operand(q_s.index(c).load(cols), KC), zq)
-            if PAIRS:
-                zq = zq + _other_half(zq)
             zq_s.index(g).store(zq * scale)
 
 
@@ -582,12 +576,12 @@ def _zero_rows(zero_s, K: gl.constexpr, TWO_ROWS: gl.constexpr = False):
 
 
 @gluon.jit
-def _sums_row(sums, ROW: gl.constexpr, ALONE: gl.constexpr):
+def _sums_row(sums, ROW: gl.constexpr, TWO_ROWS: gl.constexpr):
     """The sum of p * zero (ROW 0) or of p (ROW 8) per head from the (16, HEADS) tile that _zero_rows' products
-    fill: each half of its rows holds it 8 times (the largest of them is it), or with ALONE (TWO_ROWS, and PAIRS'
-    rows 0, 1 and 8: _pair_rows) row ROW alone does and the rows that hold no sum are zero."""
+    fill: each half of its rows holds it 8 times (the largest of them is it), or with TWO_ROWS row ROW alone does
+    and the others are zero."""
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, _mma()))[:, None]
-    if ALONE:
+    if TWO_ROWS:
         row = gl.sum(gl.where(rows == ROW, sums, 0.0), axis=0)
     elif ROW == 0:
         row = gl.max(gl.where(rows < 8, sums, float("-inf")), axis=0)
@@ -596,110 +590,9 @@ def _sums_row(sums, ROW: gl.constexpr, ALONE: gl.constexpr):
     return row
 
 
-# ------------------------------------------------------------------- two token quarters a tile (PAIRS, an experiment)
-# decode_attention(kernel="...+pairs"): a KV group of at most 4 heads fills 4 of a score tile's 8 columns, so half the
-# lanes of each softmax instruction (the exponent's multiply-add, exp2, the fp16 conversion) work on padding heads.
-# With PAIRS, quarter 2j + 1's scores move into quarter 2j's padding columns (a shuffle a register, _other_half), so
-# that a page's softmax takes 2 tiles instead of 4 (16 MUFU and 8 F2FP a page fewer), and the sums of p and of p *
-# zero take one product a pair instead of one a quarter (4 HMMA a page fewer, _pair_rows). A pair's probabilities go
-# through a shared buffer of 16 columns whose first and last 4 stay zero (_pair_buffer): its columns 4-11 are the
-# pair (the sums' second operand), 0-7 quarter 2j alone in columns 4-7 and 8-15 quarter 2j + 1 alone in columns 0-3
-# (the value products' second operands, zero elsewhere, as the padding heads' columns are without PAIRS). So the
-# value accumulators hold quarters 0 and 2 in columns 4-7 and quarters 1 and 3 in columns 0-3, the running max and
-# the keys' zero terms are kept in both halves, and a program adds the halves once, at its end (_halves_added).
-PAIR_COLUMNS = gl.constexpr(16)
-
-
-@gluon.jit
-def _other_half(x):
-    """x, an fp32 tile in the mma accumulator layout or a vector in the layout of its columns: each element replaced
-    by the one 4 columns away (column n ^ 4), which lane ^ 2 holds in the same register."""
-    return gl.inline_asm_elementwise(asm="shfl.sync.bfly.b32 $0, $1, 2, 0x1f, -1;", constraints="=r,r", args=[x],
-                                     dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _halves_added(x):
-    """PAIRS' accumulators, sums and terms: columns n and n + 4 added, in both (exact where one of them is zero)."""
-    return x + _other_half(x)
-
-
-@gluon.jit
-def _pair_buffer(G4: gl.constexpr, PAIRS: gl.constexpr):
-    """PAIRS' shared buffer: (G/4 tokens, PAIR_COLUMNS) fp16, the tokens contiguous in each column (a thread's 8
-    tokens of a column are one 16-byte load), all zero (columns 4-11 are written a pair at a time); without PAIRS, a
-    placeholder that nothing uses."""
-    lay: gl.constexpr = gl.BlockedLayout([G4 // 4, 1], [4, 8], [1, 1], [0, 1])
-    C: gl.constexpr = PAIR_COLUMNS if PAIRS else 8
-    return gl.allocate_shared_memory(DOT, [G4, C], gl.SwizzledSharedLayout(1, 1, 1, [0, 1]),
-                                     gl.zeros([G4, C], DOT, lay))
-
-
-@gluon.jit
-def _pair_columns(pair_s, first: gl.constexpr):
-    """Columns first .. first + 7 of PAIRS' buffer, a (G/4, 8) view (a slice may only start at a multiple of its
-    length: the 4 columns from `first`, seen as 8)."""
-    return pair_s.slice(first, 4, dim=1)._reinterpret(DOT, [pair_s.shape[0], 8], pair_s.layout)
-
-
-@gluon.jit
-def _pair_rows(vzero_s, a, G4: gl.constexpr):
-    """PAIRS' first operand for the sums of quarters a and a + 1 (the pair's probabilities: quarter a's in columns
-    0-3, a + 1's in 4-7): row 0 quarter a's zeros, row 1 quarter a + 1's, row 8 ones, every other row zero. Its
-    products hold the sums of p * zero in row 0 (columns 0-3) and row 1 (columns 4-7), and of p in row 8."""
-    lay: gl.constexpr = _rows_layout(G4)
-    za = vzero_s.slice(a * G4, G4).load(gl.SliceLayout(0, lay))[None, :].to(DOT)
-    zb = vzero_s.slice((a + 1) * G4, G4).load(gl.SliceLayout(0, lay))[None, :].to(DOT)
-    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))[:, None]
-    x = za * gl.where(rows == 0, 1.0, 0.0).to(DOT) + (zb * gl.where(rows == 1, 1.0, 0.0).to(DOT)
-                                                       + gl.where(rows == 8, 1.0, 0.0).to(DOT))
-    return _a_operand(x, 16, G4)
-
-
-@gluon.jit
-def _fp16_values(vbufs, i, p, acc0, acc1, acc2, acc3, D: gl.constexpr, G: gl.constexpr, V_BITS: gl.constexpr):
-    """acc_j += the value codes of token quarter i, channel quarter j, @ (p * the tokens' scales): p a (G/4, HEADS)
-    fp16 tile in _cols_layout(G/4)."""
-    G4: gl.constexpr = G // 4
-    D4: gl.constexpr = D // 4
-    vlow_s, vhigh_s, vscale_s, vzero_s = vbufs
-    tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
-    pv = _b_operand(_mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None]), G4)
-    codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
-    acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4)
-    if V_BITS == 4:
-        pv4 = pv * 4.0                                                             # the high bits weigh 4 (exact)
-        acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4,
-                                                acc0, acc1, acc2, acc3, D4, G4)
-    return acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _paired_softmax(vbufs, pair_s, s0, s1, s2, s3, offset, scale, sums, acc0, acc1, acc2, acc3, D: gl.constexpr,
-                    G: gl.constexpr, V_BITS: gl.constexpr):
-    """PAIRS' softmax and value products of a page: quarters (0, 1) and (2, 3) a tile each (offset: the zero term
-    less the running max, in both halves), through pair_s (_pair_buffer)."""
-    G4: gl.constexpr = G // 4
-    cols: gl.constexpr = _cols_layout(G4)
-    scores = (s0, s1, s2, s3)
-    for a in gl.static_range(0, 4, 2):
-        # quarter a's columns past the group and quarter a + 1's moved there are zero in the other's: one
-        # multiply-add each, exactly the products that the quarters alone take
-        x = scores[a] * (_pick(QUARTER_WEIGHT, a) * scale) + (
-            _other_half(scores[a + 1]) * (_pick(QUARTER_WEIGHT, a + 1) * scale) + offset)
-        _pair_columns(pair_s, 4).store(gl.exp2(x).to(DOT))
-        sums = mma_v2(_pair_rows(vbufs[3], a, G4), _b_operand(_pair_columns(pair_s, 4).load(cols), G4), sums)
-        acc0, acc1, acc2, acc3 = _fp16_values(vbufs, a, _pair_columns(pair_s, 0).load(cols), acc0, acc1, acc2, acc3,
-                                              D, G, V_BITS)
-        acc0, acc1, acc2, acc3 = _fp16_values(vbufs, a + 1, _pair_columns(pair_s, 8).load(cols), acc0, acc1, acc2,
-                                              acc3, D, G, V_BITS)
-    return sums, acc0, acc1, acc2, acc3
-
-
 @gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D: gl.constexpr, G: gl.constexpr,
-                    V_BITS: gl.constexpr, I8: gl.constexpr, fold_zq=None, scale=1.0, TWO_ROWS: gl.constexpr = False,
-                    pair_s=None):
+                    V_BITS: gl.constexpr, I8: gl.constexpr, fold_zq=None, scale=1.0, TWO_ROWS: gl.constexpr = False):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in vbufs
     accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @ (p * scale)
     (token, head). The sums of p and of p * zero are one product a 16 tokens (_zero_rows), in `sums`, a (16, HEADS)
@@ -713,9 +606,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D:
     an experiment): s0 .. s3 are the key products' unweighted sums (_key_scores' FOLD), fold_zq the page's zero
     terms (log2 units) and scale qk_scale / Q_SCALE: the page's maximum is taken from each quarter's sums' maximum
     over the rows a thread holds, times its weight (the weights are positive), and each score's weight and the zero
-    term less the running max go into the exponent's one multiply-add (_folded_max). TWO_ROWS: _zero_rows'.
-    pair_s (PAIRS, with fold_zq; fp16 value products): _pair_buffer, the quarters two a tile (_paired_softmax); m_i
-    and fold_zq hold each head in both halves of the columns, and so does the new running max."""
+    term less the running max go into the exponent's one multiply-add (_folded_max). TWO_ROWS: _zero_rows'."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -724,9 +615,6 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D:
         page_max = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
     else:
         page_max = _folded_max(s0, s1, s2, s3, scale) + fold_zq
-    if pair_s is not None:
-        # the maximum of a head's 4 quarters is in its own columns (those past it hold its zero term alone)
-        page_max = gl.where(gl.arange(0, HEADS, layout=gl.SliceLayout(0, mma)) < 4, page_max, _other_half(page_max))
     m_new = gl.maximum(m_i, page_max)
     alpha = gl.exp2(m_i - m_new)[None, :]
     sums = sums * alpha
@@ -745,24 +633,25 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D:
     tokens: gl.constexpr = gl.SliceLayout(1, _cols_layout(G4))
     if fold_zq is not None:
         offset = (fold_zq - m_new)[None, :]
-    if pair_s is not None:
-        sums, acc0, acc1, acc2, acc3 = _paired_softmax(vbufs, pair_s, s0, s1, s2, s3, offset, scale, sums, acc0,
-                                                       acc1, acc2, acc3, D, G, V_BITS)
-    else:
-        for i in gl.static_range(4):
-            # the probabilities in fp16, as (token, head) operands, then times the tokens' scales in fp16
-            if fold_zq is None:
-                x = scores[i] - m_new[None, :]
-            else:
-                x = scores[i] * (_pick(QUARTER_WEIGHT, i) * scale) + offset
-            p = gl.convert_layout(gl.exp2(x).to(DOT), _cols_layout(G4))
-            sums = mma_v2(_zero_rows(vzero_s.slice(i * G4, G4), G4, TWO_ROWS), _b_operand(p, G4), sums)
-            if I8:
-                pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
-                codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
-                i0, i1, i2, i3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G4), i0, i1, i2, i3, G4)
-            else:
-                acc0, acc1, acc2, acc3 = _fp16_values(vbufs, i, p, acc0, acc1, acc2, acc3, D, G, V_BITS)
+    for i in gl.static_range(4):
+        # the probabilities in fp16, as (token, head) operands, then times the tokens' scales in fp16
+        if fold_zq is None:
+            x = scores[i] - m_new[None, :]
+        else:
+            x = scores[i] * (_pick(QUARTER_WEIGHT, i) * scale) + offset
+        p = gl.convert_layout(gl.exp2(x).to(DOT), _cols_layout(G4))
+        sums = mma_v2(_zero_rows(vzero_s.slice(i * G4, G4), G4, TWO_ROWS), _b_operand(p, G4), sums)
+        pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
+        codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
+        if I8:
+            i0, i1, i2, i3 = _i8_tile_products(codes, _i8_round(pv, r[None, :], G4), i0, i1, i2, i3, G4)
+        else:
+            pv = _b_operand(pv, G4)
+            acc0, acc1, acc2, acc3 = _tile_products(codes, pv, acc0, acc1, acc2, acc3, D4, G4)
+            if V_BITS == 4:
+                pv4 = pv * 4.0                                                     # the high bits weigh 4 (exact)
+                acc0, acc1, acc2, acc3 = _tile_products(vhigh_s.slice(i * D4, D4).load(_rows_layout(G4)), pv4,
+                                                        acc0, acc1, acc2, acc3, D4, G4)
     if I8:
         # back to the fp16 products' units (code * 4^j * 2^-24) and onto the running sums: two multiply-adds
         k = gl.convert_layout((2.0 ** -24) / r.to(gl.float32), gl.SliceLayout(0, mma))
@@ -1101,13 +990,13 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
           live, zq_row, pad_zero, pipeline, state, H: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
           NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr, FOLD: gl.constexpr,
           COMPUTE: gl.constexpr, COPIES: gl.constexpr, WAITS: gl.constexpr, PAD: gl.constexpr, PAD_N: gl.constexpr,
-          QT: gl.constexpr = False, TWO_ROWS: gl.constexpr = False, pair_s=None):
+          QT: gl.constexpr = False, TWO_ROWS: gl.constexpr = False):
     """Paged slot `slot` of _gluon_paged_kernel's loop (its arguments; keys / values: the page tensors' pointers or
-    descriptors; zq_row: the slot's keys' zero terms, ZQ_AHEAD, or None; QT: q_rows is the transposed queries, Q_ROWS;
-    TWO_ROWS: the sums' first operand of two rows, _zero_rows; pair_s: PAIRS' buffer, or None): wait for its keys, their
-    scores, refill the key buffer with the next slot's, wait for its values, the softmax and value products, refill the
-    value buffer. pipeline: (phase, this slot's key page, the next slot's key and value pages, key and value waits),
-    state: (running max, the sums of p and of p * zero, the 4 accumulators); returns both after the slot."""
+    descriptors; zq_row: the slot's keys' zero terms, ZQ_AHEAD, or None; QT: q_rows is the transposed queries,
+    Q_ROWS; TWO_ROWS: the sums' first operand of two rows, _zero_rows): wait for its keys, their scores, refill the
+    key buffer with the next slot's, wait for its values, the softmax and value products, refill the value buffer.
+    pipeline: (phase, this slot's key page, the next slot's key and value pages, key and value waits), state: (running
+    max, the sums of p and of p * zero, the 4 accumulators); returns both after the slot."""
     phase, kpage, kpage_next, vpage_next, key_wait, value_wait = pipeline
     m_i, sums, acc0, acc1, acc2, acc3 = state
     klow_ptr, khigh_ptr, kch_ptr, kscale_ptr, kzero_ptr = keys
@@ -1143,7 +1032,7 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
             fold_zq = zq_row
         m_i, sums, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2,
                                                             acc3, D, G, V_BITS, I8 == 2, fold_zq,
-                                                            qk_scale * (1.0 / Q_SCALE), TWO_ROWS, pair_s)
+                                                            qk_scale * (1.0 / Q_SCALE), TWO_ROWS)
     _BARRIER()                                      # the value reads are done: refill the value buffer
     if more:
         _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -1164,7 +1053,7 @@ def _gluon_paged_kernel(
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZQ_AHEAD: gl.constexpr = False,
         FOLD_MAX: gl.constexpr = False, Q_ROWS: gl.constexpr = False, TWO_ROWS: gl.constexpr = False,
-        PAIRS: gl.constexpr = False, PDL: gl.constexpr = False,
+        PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
         PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
@@ -1176,8 +1065,7 @@ def _gluon_paged_kernel(
     over slots (_slot) nested in a loop over windows; FOLD_MAX (with ZQ_AHEAD), the scores' weights and zero term in
     the exponent (_folded_max); Q_ROWS, the boosted channels' queries read from the program's transposed copy at
     qt_ptr (D * HEADS fp16 a (sequence, KV head), _query_rows, _boosted_rows); TWO_ROWS, the sums of p and p * zero
-    from a first operand of two rows, every other row zero (_zero_rows); PAIRS (with FOLD_MAX, fp16 products, a group
-    of at most 4 heads), two token quarters a score tile (_paired_softmax). PDL: the remaining blocks' kernel after
+    from a first operand of two rows, every other row zero (_zero_rows). PDL: the remaining blocks' kernel after
     it may start at once (decode_launches' pdl).
     Two measurements that are not attention (`python -m backend.bench tune --vary loads`): COMPUTE=False, the page
     loop's copies, waits and barriers only (the memory pipeline's own ceiling); COPIES=False, its products and
@@ -1210,7 +1098,6 @@ def _gluon_paged_kernel(
         vbar = 0
     ZQ: gl.constexpr = ZQ_AHEAD and COMPUTE
     FOLD: gl.constexpr = FOLD_MAX and ZQ and I8 == 0              # decode_attention.kernel_parts: with zq-ahead
-    PAIRED: gl.constexpr = PAIRS and FOLD and GROUP <= 4          # kernel_parts, decode_gluon.takes_shapes
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
         kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA, not ZQ)
@@ -1228,12 +1115,7 @@ def _gluon_paged_kernel(
         _BARRIER()                                  # every lane's rows are written (and visible) before any reads
     # the padding heads' running max starts above any score: their probabilities are 0 on every page (and their
     # running sums stay 0: alpha is 2^0), so the value products' second operands are zero there too
-    pair_s = None
-    if PAIRED:
-        m_i = gl.where(heads % 4 < GROUP, float("-inf"), PAD_HEAD_MAX)  # each head in both halves
-        pair_s = _pair_buffer(G4, PAIRED)
-    else:
-        m_i = gl.where(heads < GROUP, float("-inf"), PAD_HEAD_MAX)
+    m_i = gl.where(heads < GROUP, float("-inf"), PAD_HEAD_MAX)
     sums = gl.zeros([16, HEADS], gl.float32, mma)   # sums of p * zero (rows 0-7) and of p (rows 8-15): _zero_rows
     acc0 = gl.zeros([D4, HEADS], gl.float32, mma)
     acc1 = gl.zeros([D4, HEADS], gl.float32, mma)
@@ -1252,13 +1134,13 @@ def _gluon_paged_kernel(
         # stays the loop that kernels.sass_profile counts)
         for first in range(start, end, ZQ_SLOTS):
             _BARRIER()                              # the queries (the first time), every lane's reads of the terms
-            _zero_terms(zq_s, q_s, ktab, first, end, kzero_rows, h, qk_scale * (1.0 / Q_SCALE), H, D, PAIRED)
+            _zero_terms(zq_s, q_s, ktab, first, end, kzero_rows, h, qk_scale * (1.0 / Q_SCALE), H, D)
             _BARRIER()
             for slot in range(first, gl.minimum(first + ZQ_SLOTS, end)):
                 pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
                                         q_rows, qk_scale, kscale_rows, live, _zero_term(zq_s, slot - first),
                                         pad_zero, pipeline, state, H, D, G, NB, V_BITS, TMA, I8, FOLD, COMPUTE,
-                                        COPIES, WAITS, PAD, PAD_N, QT, TWO_ROWS, pair_s)
+                                        COPIES, WAITS, PAD, PAD_N, QT, TWO_ROWS)
     else:
         for slot in range(start, end):
             pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
@@ -1272,22 +1154,13 @@ def _gluon_paged_kernel(
     hmask = heads < GROUP
     idx = ((b * H + h) * GROUP + heads).to(gl.int64) * NPART + part
     gl.store(pm_ptr + idx, m_i, mask=hmask)
+    gl.store(pl_ptr + idx, _sums_row(sums, 8, TWO_ROWS), mask=hmask)
     c = gl.arange(0, D4, layout=gl.SliceLayout(1, mma))
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
+    zrow = _sums_row(sums, 0, TWO_ROWS)[None, :]
     if I8 < 2:
         acc3 = _quarter3_sums(acc0, acc1, acc2, acc3)
-    if PAIRED:
-        # quarters 1 and 3 in columns 0-3, 0 and 2 in 4-7 (_paired_softmax): the halves added
-        gl.store(pl_ptr + idx, _halves_added(_sums_row(sums, 8, True)), mask=hmask)
-        zrow = (_sums_row(sums, 0, True) + _other_half(_sums_row(sums, 1, True)))[None, :]
-        acc0 = _halves_added(acc0)
-        acc1 = _halves_added(acc1)
-        acc2 = _halves_added(acc2)
-        acc3 = _halves_added(acc3)
-    else:
-        gl.store(pl_ptr + idx, _sums_row(sums, 8, TWO_ROWS), mask=hmask)
-        zrow = _sums_row(sums, 0, TWO_ROWS)[None, :]
     gl.store(out, acc0 * _pick(QUARTER_WEIGHT, 0) + zrow, mask=omask)
     gl.store(out + D4, acc1 * _pick(QUARTER_WEIGHT, 1) + zrow, mask=omask)
     gl.store(out + 2 * D4, acc2 * _pick(QUARTER_WEIGHT, 2) + zrow, mask=omask)
@@ -1369,28 +1242,25 @@ CONVERT_SCRATCH = 512               # the probabilities' layout conversion, one 
 TMA_BARRIERS = 128                  # the mbarriers' allocation (BARRIER_SLOTS)
 
 
-def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, zq_ahead: bool = False,
-                 pairs: bool = False) -> int:
+def shared_bytes(kv: PagedKV, head_dim: int, use_tma: bool = False, zq_ahead: bool = False) -> int:
     """Shared memory of one program of _gluon_paged_kernel: the queries, a slot's buffers (the boosted channels'
     list padded to TMA_ALIGN), the conversion scratch and, with TMA, the mbarriers' allocation (the placeholders of
     planes the method lacks are never used, and the compiler drops them; tests/test_kernels.py checks this against
-    compiled kernels); with zq_ahead (ZQ_AHEAD), the window of the keys' zero terms instead of the keys' zeros; with
-    pairs (PAIRS), its buffer of probabilities (_pair_buffer)."""
+    compiled kernels); with zq_ahead (ZQ_AHEAD), the window of the keys' zero terms instead of the keys' zeros."""
     g, nb, d = kv.page_size, kv.n_boost, head_dim
     key = g // 4 * (d + nb) + (max(nb, TMA_ALIGN.value) if nb else 0) + (2 if zq_ahead else 4) * d
     value = d // 4 * g * (kv.v_bits // 2) + 4 * g
     terms = ZQ_SLOTS.value * HEADS_PER_TILE * 4 if zq_ahead else 0
-    paired = g // 4 * PAIR_COLUMNS.value * 2 if pairs else 0
-    return 16 * d + CONVERT_SCRATCH + key + value + terms + paired + (TMA_BARRIERS if use_tma else 0)
+    return 16 * d + CONVERT_SCRATCH + key + value + terms + (TMA_BARRIERS if use_tma else 0)
 
 
-def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, zq_ahead: bool = False, pairs: bool = False) -> int:
+def resident_programs(kv: PagedKV, head_dim: int, maxnreg: int, zq_ahead: bool = False) -> int:
     """Programs of _gluon_paged_kernel resident on a multiprocessor: bounded by registers and by shared memory
-    (shared_bytes; zq_ahead, pairs: ZQ_AHEAD's, PAIRS'). A warp's registers come from one of the 4 schedulers' files of
-    16,384 (in steps of 8 a thread), so 129 to 170 registers a thread leave 3 warps a scheduler, 12 one-warp programs
-    (ncu on the H200 at 144 and 168 registers: BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
+    (shared_bytes; zq_ahead: ZQ_AHEAD's). A warp's registers come from one of the 4 schedulers' files of 16,384 (in
+    steps of 8 a thread), so 129 to 170 registers a thread leave 3 warps a scheduler, 12 one-warp programs (ncu on
+    the H200 at 144 and 168 registers: BENCHMARKS.md section 1, session 11), not 65,536 / (32 * maxnreg)."""
     by_registers = 4 * (16384 // (32 * (-(-maxnreg // 8) * 8)))
-    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, zq_ahead=zq_ahead, pairs=pairs) + SHARED_RESERVED)
+    by_shared = SHARED_PER_SM // (shared_bytes(kv, head_dim, zq_ahead=zq_ahead) + SHARED_RESERVED)
     return max(1, min(by_registers, by_shared))
 
 
@@ -1464,7 +1334,7 @@ I8_PRODUCTS = {"gluon": 0, "gluon-tma": 0, "gluon-tma-i8k": 1, "gluon-tma-i8": 2
 
 def kernel_options(kernel: str) -> dict:
     """decode_attention's Gluon `kernel`, with the experiments its name adds (decode_attention.kernel_parts) ->
-    launch's (and kernel_arguments') options that make it: use_tma, i8, zq_ahead, fold_max, q_rows, two_rows, pairs."""
+    launch's (and kernel_arguments') options that make it: use_tma, i8, zq_ahead, fold_max, q_rows."""
     from .decode_attention import GLUON_EXPERIMENTS, kernel_parts
     base, extras = kernel_parts(kernel)
     return dict(use_tma=base != "gluon", i8=I8_PRODUCTS[base],

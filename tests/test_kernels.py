@@ -386,11 +386,10 @@ GLUON_CASES = [
 
 # The Gluon kernels the GPU tests run: each base kernel, and each with the experiments it takes
 # (decode_attention.GLUON_EXPERIMENTS; fold-max only with zq-ahead, and neither it nor q-rows on the 8-bit key
-# products; pairs only with fold-max)
+# products)
 GLUON_TESTED = (*GLUON_KERNELS, "gluon-tma+zq-ahead", "gluon-tma+zq-ahead+fold-max", "gluon+zq-ahead+fold-max",
                 "gluon-tma-i8k+zq-ahead", "gluon-tma-i8+zq-ahead", "gluon-tma+zq-ahead+fold-max+q-rows",
-                "gluon+q-rows", "gluon-tma+zq-ahead+fold-max+q-rows+two-rows",
-                "gluon-tma+zq-ahead+fold-max+q-rows+pairs")
+                "gluon+q-rows", "gluon-tma+zq-ahead+fold-max+q-rows+two-rows")
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
@@ -415,7 +414,7 @@ def test_gluon_decode_attention_matches_reference(case, kernel):
     q = torch.randn(len(lengths), h * group, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     if not decode_gluon.takes_shapes(kernel, q, kv):
         pytest.skip("the 8-bit key products take boosted channels in one chunk of 32 or none, the value products "
-                    "pages of 128 and 2-bit values, pairs groups of at most 4 heads (decode_gluon.takes_shapes)")
+                    "pages of 128 and 2-bit values (decode_gluon.takes_shapes)")
     assert decode_gluon.supports_kernel(kernel, q, kv)
     ref = decode_attention_ref(q, kv, d ** -0.5)
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2
@@ -473,9 +472,9 @@ def test_gluon_kernels_compile_for_every_gpu_test_shape():
     run = compile_on_cpu(code, timeout=1800)
     built, failed = run.stdout.split(" ", 1)
     assert failed.strip() == "[]", failed
-    # 12 kernels on 10 shapes less the 8-bit ones' declined shapes (4 each for the 2 i8k names, 6 each for the 2 i8
-    # names) and pairs' 2 of groups of 8: 98 since session 44 (90 since session 39, 70 since session 35)
-    assert int(built) == taken >= 98, (built, taken)
+    # 11 kernels on 10 shapes less the 8-bit ones' declined shapes (4 each for the 2 i8k names, 6 each for the 2 i8
+    # names): 90 since session 39 (70 since session 35)
+    assert int(built) == taken >= 90, (built, taken)
 
 
 def check_i8_kernel(q, kv, kernel, ref, tol):
@@ -684,23 +683,15 @@ def test_kernel_names_add_experiments_and_bad_names_are_refused():
     """decode_attention's kernel names: a name of KERNELS, or a Gluon kernel with experiments "+name" each, in any
     order (the same options); each refusal is a ValueError that names the choices: an unknown base or experiment,
     experiments on a kernel that is not a Gluon kernel, one twice, fold-max without zq-ahead or with the 8-bit key
-    products, q-rows with them, pairs without fold-max or with two-rows, a name that is not a string.
-    decode_attention refuses them before it launches anything. Pairs takes groups of at most 4 heads (takes_shapes:
-    other launches go to the Triton kernel)."""
-    from kernels.decode_gluon import kernel_options, takes_shapes
+    products, q-rows with them, a name that is not a string. decode_attention refuses them before it launches
+    anything."""
+    from kernels.decode_gluon import kernel_options
     assert kernel_parts("gluon-tma+fold-max+zq-ahead") == ("gluon-tma", ("fold-max", "zq-ahead"))
     assert kernel_options("gluon-tma+fold-max+zq-ahead") == kernel_options("gluon-tma+zq-ahead+fold-max") == dict(
-        use_tma=True, i8=0, zq_ahead=True, fold_max=True, q_rows=False, two_rows=False, pairs=False)
+        use_tma=True, i8=0, zq_ahead=True, fold_max=True, q_rows=False, two_rows=False)
     assert kernel_options("gluon") == dict(use_tma=False, i8=0, zq_ahead=False, fold_max=False, q_rows=False,
-                                           two_rows=False, pairs=False)
+                                           two_rows=False)
     assert kernel_options("gluon+q-rows")["q_rows"] and kernel_options("gluon-tma+two-rows")["two_rows"]
-    assert kernel_options("gluon+zq-ahead+fold-max+pairs")["pairs"]
-    paged, _, _ = random_paged_kv([300], heads=2, head_dim=64, sink=4, page_size=64, window=64, n_boost=16,
-                                  dtype=torch.bfloat16, seed=2)
-    for group, taken in ((4, True), (3, True), (8, False)):
-        grouped = torch.zeros(1, 2 * group, 64, dtype=torch.bfloat16)
-        assert takes_shapes("gluon+zq-ahead+fold-max+pairs", grouped, paged) is taken
-        assert takes_shapes("gluon+zq-ahead+fold-max", grouped, paged)
     assert kernel_options("gluon-tma-i8+zq-ahead")["i8"] == 2 and is_gluon("gluon-tma-i8+zq-ahead")
     assert not is_gluon("triton") and not is_gluon("auto")
     for name in KERNELS:
@@ -710,8 +701,7 @@ def test_kernel_names_add_experiments_and_bad_names_are_refused():
     q = torch.randn(1, 2, 64, device=DEVICE)
     for bad in ("cuda", "triton+zq-ahead", "auto+zq-ahead", "gluon-tma+zq", "gluon-tma+", "gluon-tma+zero-heads",
                 "gluon+zq-ahead+zq-ahead", "gluon-tma+fold-max", "gluon-tma-i8k+zq-ahead+fold-max",
-                "gluon-tma-i8k+q-rows", "gluon-tma+zq-ahead+pairs", "gluon-tma+zq-ahead+fold-max+two-rows+pairs",
-                None):
+                "gluon-tma-i8k+q-rows", None):
         with pytest.raises(ValueError, match="decode kernel"):
             check_kernel(bad)
         if isinstance(bad, str):
@@ -729,38 +719,31 @@ def test_experiments_compile_with_the_products_they_say():
       8 FMUL for the 4 quarters' weighted maxima, and no more shuffles;
     - q-rows (with both) takes 50 or more off that for kitty-pro (triton 3.6: 73), whose 32 boosted channels' queries
       and scales come in 2 loads a lane instead of 16 (4 LDG a page left), with the same products and shared memory;
-      kivi-k2v2 has no boosted channels: the same page loop;
-    - pairs (with all three) takes off 4 products (the sums a pair of quarters), 16 MUFU (exp2) and 8 F2FP (fp16
-      conversions) a page, for 16 shuffles that move a quarter's scores and 2 for the page's maximum, and no more
-      instructions in all (triton 3.6: 8 and 10 fewer); its buffer adds at most what shared_bytes plans (the
-      compiler puts it in the conversion scratch where no other conversion needs that).
+      kivi-k2v2 has no boosted channels: the same page loop.
     No page loop spills."""
     code = textwrap.dedent("""
         import torch
         from kernels.decode_gluon import shared_bytes
         from kernels.sass_profile import compile_gluon_kernel, example_paged_kv, profile
         kernels = {"default": {}, "zq-ahead": dict(zq_ahead=True), "fold-max": dict(zq_ahead=True, fold_max=True),
-                   "q-rows": dict(zq_ahead=True, fold_max=True, q_rows=True),
-                   "pairs": dict(zq_ahead=True, fold_max=True, q_rows=True, pairs=True)}
+                   "q-rows": dict(zq_ahead=True, fold_max=True, q_rows=True)}
         for method in ("kitty-pro", "kivi-k2v2"):
             for name, options in kernels.items():
                 compiled = compile_gluon_kernel(method, torch.bfloat16, 4, maxnreg=168, use_tma=True, **options)
                 row = profile(compiled)
                 opcodes = row["loop opcodes"]
                 planned = shared_bytes(example_paged_kv(method, 8, 128, torch.bfloat16), 128, use_tma=True,
-                                       zq_ahead=options.get("zq_ahead", False), pairs=options.get("pairs", False))
+                                       zq_ahead=options.get("zq_ahead", False))
                 print(method, name, row["loop instructions"], row["loop matrix"], row["loop local ld/st"],
-                      *(opcodes.get(op, 0) for op in ("HMUL2", "FADD", "SHFL", "UTMALDG", "LDG", "MUFU", "F2FP")),
-                      row["matrix"], row["shared bytes"], planned)
+                      *(opcodes.get(op, 0) for op in ("HMUL2", "FADD", "SHFL", "UTMALDG", "LDG")), row["matrix"],
+                      row["shared bytes"], planned)
     """)
     run = compile_on_cpu(code, timeout=900)
     rows = {tuple(line.split()[:2]): dict(zip(("instructions", "matrix", "spills", "HMUL2", "FADD", "SHFL", "boxes",
-                                               "LDG", "MUFU", "F2FP", "all matrix", "shared", "planned"),
-                                              map(int, line.split()[2:])))
+                                               "LDG", "all matrix", "shared", "planned"), map(int, line.split()[2:])))
             for line in run.stdout.splitlines()}
     window = 64 // 16 * (128 // 16)                         # decode_gluon.ZQ_SLOTS: its products outside the loop
-    assert all(row["spills"] == 0 for row in rows.values()), run.stdout
-    assert all(row["shared"] == row["planned"] for (_, name), row in rows.items() if name != "pairs"), run.stdout
+    assert all(row["spills"] == 0 and row["shared"] == row["planned"] for row in rows.values()), run.stdout
     for method in ("kitty-pro", "kivi-k2v2"):
         default, ahead, fold, q_rows = (rows[method, name] for name in ("default", "zq-ahead", "fold-max", "q-rows"))
         assert default["all matrix"] == default["matrix"], run.stdout
@@ -772,12 +755,6 @@ def test_experiments_compile_with_the_products_they_say():
     assert rows["kitty-pro", "q-rows"]["instructions"] <= rows["kitty-pro", "fold-max"]["instructions"] - 50, run.stdout
     assert rows["kitty-pro", "q-rows"]["LDG"] <= 4 < rows["kitty-pro", "fold-max"]["LDG"], run.stdout
     assert rows["kivi-k2v2", "q-rows"]["instructions"] == rows["kivi-k2v2", "fold-max"]["instructions"], run.stdout
-    for method in ("kitty-pro", "kivi-k2v2"):
-        q_rows, pairs = rows[method, "q-rows"], rows[method, "pairs"]
-        assert pairs["matrix"] == q_rows["matrix"] - 4 and pairs["instructions"] <= q_rows["instructions"], run.stdout
-        assert pairs["MUFU"] == q_rows["MUFU"] - 16 and pairs["F2FP"] == q_rows["F2FP"] - 8, run.stdout
-        assert pairs["SHFL"] == q_rows["SHFL"] + 18, run.stdout
-        assert q_rows["shared"] < pairs["shared"] <= pairs["planned"], run.stdout
 
 
 def run_ptx(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
