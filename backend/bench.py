@@ -389,10 +389,9 @@ def bench_tune(args) -> dict:
                   # each whole, its paged launch alone and its arithmetic alone, with the GPU's clock and power: the
                   # keys' zero terms 16 pages a product, and with the exponent's multiply-add folding the scores'
                   # weights (FOLDED_KERNEL, what "auto" takes for launches of many pages a program), and with the
-                  # boosted channels' queries from a transposed copy (ROWS_KERNEL, kitty-pro's longest launches), and
-                  # with the sums of p and p * zero from a first operand of two rows (two-rows, for the power cap)
+                  # boosted channels' queries from a transposed copy (ROWS_KERNEL, kitty-pro's longest launches)
                   "experiments": [{**gluon(cap, kernel=k), "loads": half} for k in (
-                      "gluon-tma", "gluon-tma+zq-ahead", FOLDED_KERNEL, ROWS_KERNEL, ROWS_KERNEL + "+two-rows")
+                      "gluon-tma", "gluon-tma+zq-ahead", FOLDED_KERNEL, ROWS_KERNEL)
                       for half in (None, "whole", "arithmetic")]}
         settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
         settings = [s for i, s in enumerate(settings) if s not in settings[:i]

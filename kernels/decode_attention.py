@@ -603,16 +603,18 @@ GLUON_MAXNREG_FEW = 192
 # SDPA at best), equal at 32 / 32K (191.9 against 191.1), slower at 1 / 32K (14.3 against 12.9) and for kitty, whose
 # 16 boosted channels leave half the lanes idle (356.4 against 351.2 at 64 / 32K, 183.3 against 180.8 at 32 / 32K):
 # "auto" adds it where a program walks ROWS_PAGES pages and the keys have ROWS_BOOSTED boosted channels (reads_rows).
-# - "two-rows": the sums of p and of p * zero from a first operand whose rows are the zeros (row 0) and ones (row 8)
-#   and zeros elsewhere, instead of 8 copies of each (decode_gluon's TWO_ROWS): the same products and sums, with
-#   14 of 16 rows zero for the matrix unit's power, as the padding heads' zero columns (_live_heads) saved it.
-# Deleted after measuring (BENCHMARKS.md section 1, session 44; commit 97aa8f3 holds it): "pairs", two token quarters
-# a score tile, the second's scores shuffled into the first's padding heads' columns (8 fewer instructions and 4
-# fewer products a kitty-pro page, sm_90): on an H100 the call was 7.6 us slower at 64 / 32K and its arithmetic alone
-# took longer (315.8 against 314.0 us) at more power (449 against 429 W): the shuffles and the shared-memory round
-# trip lengthen each warp's page, and 3 warps a scheduler do not hide that.
+# Deleted after measuring (BENCHMARKS.md section 1, session 44):
+# - "two-rows" (commit 3b1405b holds it), the sums of p and of p * zero from a first operand with the zeros in row 0
+#   and ones in row 8 and zeros elsewhere instead of 8 copies of each, for the matrix unit's power: on the H200 equal
+#   (388.3 and 389.4 against 388.0, 388.6 and 391.6 us a call at 64 / 32K) and its arithmetic alone drew 378 W
+#   against 380, within the readings' spread;
+# - "pairs" (commit 97aa8f3), two token quarters a score tile, the second's scores shuffled into the first's padding
+#   heads' columns (8 fewer instructions and 4 fewer products a kitty-pro page, sm_90): on an H100 the call was 7.6 us
+#   slower at 64 / 32K and its arithmetic alone took longer (315.8 against 314.0 us) at more power (449 against 429
+#   W): the shuffles and the shared-memory round trip lengthen each warp's page, and 3 warps a scheduler do not hide
+#   that.
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
-GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows", "two-rows")
+GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows")
 FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
 ROWS_KERNEL = FOLDED_KERNEL + "+q-rows"
 ROWS_PAGES = 64                    # measured faster at 85 pages a program, equal at 43

@@ -551,48 +551,23 @@ def _boosted_operand(ch_s, c, kpage, q_rows, kscale_ptr, D: gl.constexpr, NBC: g
 
 
 @gluon.jit
-def _zero_rows(zero_s, K: gl.constexpr, TWO_ROWS: gl.constexpr = False):
+def _zero_rows(zero_s, K: gl.constexpr):
     """A (16, K) first operand, rows 0-7 the K zeros in zero_s and rows 8-15 ones, columns in operand order: its
     products with p (_b_operand) are the sums of p * zero in rows 0-7 and of p in rows 8-15, one product a 16
     tokens where two products with ones took two (8 HMMA, 16 HMUL2 and 4 FMUL a kitty-pro page fewer), with p * zero
     exact instead of rounded to fp16. The compiler copies the loaded zeros into the products' register quads beside
     the ones (31 more IMAD a page, triton 3.6, cap 168). Measured on the H200 against the two products: the paged
     launch alone 387.2 against 392.6 us at batch 64 / 32K, faster or equal at every shape (BENCHMARKS.md section 1,
-    session 33); with _live_heads, faster or equal at every shape on an H100 too (session 35). TWO_ROWS (the
-    "two-rows" experiment): the zeros in row 0 and the ones in row 8 only, every other row zero (the same sums, in
-    rows 0 and 8: _sums_row), for the matrix unit's power, as the zeros in the padding heads' columns
-    (_live_heads)."""
+    session 33); with _live_heads, faster or equal at every shape on an H100 too (session 35)."""
     lay: gl.constexpr = _rows_layout(K)
     zero = zero_s.load(gl.SliceLayout(0, lay))
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, lay))[:, None]
-    if TWO_ROWS:
-        # one multiply-add a register of two operands (the rows' 0 / 1 factors are the same on every page)
-        first = gl.where(rows == 0, 1.0, 0.0).to(DOT)
-        ones = gl.where(rows == 8, 1.0, 0.0).to(DOT)
-        x = zero[None, :].to(DOT) * first + ones
-    else:
-        x = gl.where(rows < 8, zero[None, :], 1.0).to(DOT)
-    return _a_operand(x, 16, K)
-
-
-@gluon.jit
-def _sums_row(sums, ROW: gl.constexpr, TWO_ROWS: gl.constexpr):
-    """The sum of p * zero (ROW 0) or of p (ROW 8) per head from the (16, HEADS) tile that _zero_rows' products
-    fill: each half of its rows holds it 8 times (the largest of them is it), or with TWO_ROWS row ROW alone does
-    and the others are zero."""
-    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, _mma()))[:, None]
-    if TWO_ROWS:
-        row = gl.sum(gl.where(rows == ROW, sums, 0.0), axis=0)
-    elif ROW == 0:
-        row = gl.max(gl.where(rows < 8, sums, float("-inf")), axis=0)
-    else:
-        row = gl.max(gl.where(rows < 8, float("-inf"), sums), axis=0)
-    return row
+    return _a_operand(gl.where(rows < 8, zero[None, :], 1.0).to(DOT), 16, K)
 
 
 @gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D: gl.constexpr, G: gl.constexpr,
-                    V_BITS: gl.constexpr, I8: gl.constexpr, fold_zq=None, scale=1.0, TWO_ROWS: gl.constexpr = False):
+                    V_BITS: gl.constexpr, I8: gl.constexpr, fold_zq=None, scale=1.0):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in vbufs
     accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @ (p * scale)
     (token, head). The sums of p and of p * zero are one product a 16 tokens (_zero_rows), in `sums`, a (16, HEADS)
@@ -606,7 +581,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D:
     an experiment): s0 .. s3 are the key products' unweighted sums (_key_scores' FOLD), fold_zq the page's zero
     terms (log2 units) and scale qk_scale / Q_SCALE: the page's maximum is taken from each quarter's sums' maximum
     over the rows a thread holds, times its weight (the weights are positive), and each score's weight and the zero
-    term less the running max go into the exponent's one multiply-add (_folded_max). TWO_ROWS: _zero_rows'."""
+    term less the running max go into the exponent's one multiply-add (_folded_max)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -640,7 +615,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D:
         else:
             x = scores[i] * (_pick(QUARTER_WEIGHT, i) * scale) + offset
         p = gl.convert_layout(gl.exp2(x).to(DOT), _cols_layout(G4))
-        sums = mma_v2(_zero_rows(vzero_s.slice(i * G4, G4), G4, TWO_ROWS), _b_operand(p, G4), sums)
+        sums = mma_v2(_zero_rows(vzero_s.slice(i * G4, G4), G4), _b_operand(p, G4), sums)
         pv = _mul2(p, vscale_s.slice(i * G4, G4).load(tokens)[:, None])
         codes = vlow_s.slice(i * D4, D4).load(_rows_layout(G4))
         if I8:
@@ -990,10 +965,10 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
           live, zq_row, pad_zero, pipeline, state, H: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
           NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr, FOLD: gl.constexpr,
           COMPUTE: gl.constexpr, COPIES: gl.constexpr, WAITS: gl.constexpr, PAD: gl.constexpr, PAD_N: gl.constexpr,
-          QT: gl.constexpr = False, TWO_ROWS: gl.constexpr = False):
+          QT: gl.constexpr = False):
     """Paged slot `slot` of _gluon_paged_kernel's loop (its arguments; keys / values: the page tensors' pointers or
     descriptors; zq_row: the slot's keys' zero terms, ZQ_AHEAD, or None; QT: q_rows is the transposed queries,
-    Q_ROWS; TWO_ROWS: the sums' first operand of two rows, _zero_rows): wait for its keys, their scores, refill the
+    Q_ROWS): wait for its keys, their scores, refill the
     key buffer with the next slot's, wait for its values, the softmax and value products, refill the value buffer.
     pipeline: (phase, this slot's key page, the next slot's key and value pages, key and value waits), state: (running
     max, the sums of p and of p * zero, the 4 accumulators); returns both after the slot."""
@@ -1032,7 +1007,7 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
             fold_zq = zq_row
         m_i, sums, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2,
                                                             acc3, D, G, V_BITS, I8 == 2, fold_zq,
-                                                            qk_scale * (1.0 / Q_SCALE), TWO_ROWS)
+                                                            qk_scale * (1.0 / Q_SCALE))
     _BARRIER()                                      # the value reads are done: refill the value buffer
     if more:
         _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -1052,8 +1027,7 @@ def _gluon_paged_kernel(
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZQ_AHEAD: gl.constexpr = False,
-        FOLD_MAX: gl.constexpr = False, Q_ROWS: gl.constexpr = False, TWO_ROWS: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        FOLD_MAX: gl.constexpr = False, Q_ROWS: gl.constexpr = False, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
         PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
@@ -1064,8 +1038,7 @@ def _gluon_paged_kernel(
     ZQ_AHEAD, the keys' zero terms a window of ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the loop
     over slots (_slot) nested in a loop over windows; FOLD_MAX (with ZQ_AHEAD), the scores' weights and zero term in
     the exponent (_folded_max); Q_ROWS, the boosted channels' queries read from the program's transposed copy at
-    qt_ptr (D * HEADS fp16 a (sequence, KV head), _query_rows, _boosted_rows); TWO_ROWS, the sums of p and p * zero
-    from a first operand of two rows, every other row zero (_zero_rows). PDL: the remaining blocks' kernel after
+    qt_ptr (D * HEADS fp16 a (sequence, KV head), _query_rows, _boosted_rows). PDL: the remaining blocks' kernel after
     it may start at once (decode_launches' pdl).
     Two measurements that are not attention (`python -m backend.bench tune --vary loads`): COMPUTE=False, the page
     loop's copies, waits and barriers only (the memory pipeline's own ceiling); COPIES=False, its products and
@@ -1140,12 +1113,12 @@ def _gluon_paged_kernel(
                 pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
                                         q_rows, qk_scale, kscale_rows, live, _zero_term(zq_s, slot - first),
                                         pad_zero, pipeline, state, H, D, G, NB, V_BITS, TMA, I8, FOLD, COMPUTE,
-                                        COPIES, WAITS, PAD, PAD_N, QT, TWO_ROWS)
+                                        COPIES, WAITS, PAD, PAD_N, QT)
     else:
         for slot in range(start, end):
             pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
                                     q_rows, qk_scale, kscale_rows, live, None, pad_zero, pipeline, state, H, D, G, NB,
-                                    V_BITS, TMA, I8, FOLD, COMPUTE, COPIES, WAITS, PAD, PAD_N, QT, TWO_ROWS)
+                                    V_BITS, TMA, I8, FOLD, COMPUTE, COPIES, WAITS, PAD, PAD_N, QT)
     key_wait, value_wait = pipeline[4], pipeline[5]
     m_i, sums, acc0, acc1, acc2, acc3 = state
     if not TMA:
@@ -1154,11 +1127,13 @@ def _gluon_paged_kernel(
     hmask = heads < GROUP
     idx = ((b * H + h) * GROUP + heads).to(gl.int64) * NPART + part
     gl.store(pm_ptr + idx, m_i, mask=hmask)
-    gl.store(pl_ptr + idx, _sums_row(sums, 8, TWO_ROWS), mask=hmask)
+    # each half of the sums' rows holds one sum 8 times: the largest of them is it
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))[:, None]
+    gl.store(pl_ptr + idx, gl.max(gl.where(rows < 8, float("-inf"), sums), axis=0), mask=hmask)
     c = gl.arange(0, D4, layout=gl.SliceLayout(1, mma))
     out = po_ptr + idx[None, :] * D + c[:, None]
     omask = (c < D4)[:, None] & hmask[None, :]
-    zrow = _sums_row(sums, 0, TWO_ROWS)[None, :]
+    zrow = gl.max(gl.where(rows < 8, sums, float("-inf")), axis=0)[None, :]
     if I8 < 2:
         acc3 = _quarter3_sums(acc0, acc1, acc2, acc3)
     gl.store(out, acc0 * _pick(QUARTER_WEIGHT, 0) + zrow, mask=omask)

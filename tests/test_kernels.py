@@ -389,7 +389,7 @@ GLUON_CASES = [
 # products)
 GLUON_TESTED = (*GLUON_KERNELS, "gluon-tma+zq-ahead", "gluon-tma+zq-ahead+fold-max", "gluon+zq-ahead+fold-max",
                 "gluon-tma-i8k+zq-ahead", "gluon-tma-i8+zq-ahead", "gluon-tma+zq-ahead+fold-max+q-rows",
-                "gluon+q-rows", "gluon-tma+zq-ahead+fold-max+q-rows+two-rows")
+                "gluon+q-rows")
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
@@ -688,10 +688,9 @@ def test_kernel_names_add_experiments_and_bad_names_are_refused():
     from kernels.decode_gluon import kernel_options
     assert kernel_parts("gluon-tma+fold-max+zq-ahead") == ("gluon-tma", ("fold-max", "zq-ahead"))
     assert kernel_options("gluon-tma+fold-max+zq-ahead") == kernel_options("gluon-tma+zq-ahead+fold-max") == dict(
-        use_tma=True, i8=0, zq_ahead=True, fold_max=True, q_rows=False, two_rows=False)
-    assert kernel_options("gluon") == dict(use_tma=False, i8=0, zq_ahead=False, fold_max=False, q_rows=False,
-                                           two_rows=False)
-    assert kernel_options("gluon+q-rows")["q_rows"] and kernel_options("gluon-tma+two-rows")["two_rows"]
+        use_tma=True, i8=0, zq_ahead=True, fold_max=True, q_rows=False)
+    assert kernel_options("gluon") == dict(use_tma=False, i8=0, zq_ahead=False, fold_max=False, q_rows=False)
+    assert kernel_options("gluon+q-rows")["q_rows"]
     assert kernel_options("gluon-tma-i8+zq-ahead")["i8"] == 2 and is_gluon("gluon-tma-i8+zq-ahead")
     assert not is_gluon("triton") and not is_gluon("auto")
     for name in KERNELS:
