@@ -141,7 +141,9 @@ def git_blob_id(path: Path) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def environment() -> dict:
+def environment(program: str = "python -m backend.bench") -> dict:
+    """The run's date, GPU, versions, command line (`program` and this process's arguments) and the git blob ids of
+    the files that decide its figures (MEASURED_SOURCES)."""
     import transformers
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     root = Path(__file__).resolve().parent.parent
@@ -149,7 +151,7 @@ def environment() -> dict:
             "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__,
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-            "command": "python -m backend.bench " + " ".join(sys.argv[1:]),
+            "command": " ".join([program, *sys.argv[1:]]),
             "sources": {name: git_blob_id(root / name) for name in MEASURED_SOURCES}}
 
 

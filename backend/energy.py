@@ -13,7 +13,8 @@ time, in mJ, and per byte it must read, in pJ:
   - copy: a device-to-device copy of as many bytes as the pages (read + write, counted as both);
   - copies / arithmetic / whole: the paged launch's TMA copies and waits alone, its products alone (over its
     first pages again and again), and both (bench.paged_half, the kernel "auto" takes for this shape);
-  - call: decode_attention's three launches (paged, remaining blocks, merge), as the product runs them.
+  - call: decode_attention's three launches (paged, remaining blocks, merge), as the product runs them;
+  - remaining / merge: the call's other two launches alone (per byte: over the bytes the pages do not hold).
 Readings come from nvidia-smi's power sensor (tens of ms), so each row is an average over its run, and two rows
 compare only within one run on one machine. GPU only.
 """
@@ -77,6 +78,12 @@ def measure(method: str, batch: int, length: int) -> dict[str, dict]:
     for half in ("copies", "arithmetic", "whole"):
         row(half, paged_half(q, kv, splits, gluon_maxnreg(q, kv, splits, kernel), half, kernel=kernel), pages)
     row("call", decode_launches(q, kv, d ** -0.5, workspace=DecodeWorkspace()), bytes_read(layer))
+    # the call's other two launches alone (without PDL, on the buffers of a call just made), as bench attention
+    # times them: the remaining blocks (sink and 16-bit buffers: the bytes the pages do not hold) and the merge
+    alone = decode_launches(q, kv, d ** -0.5, workspace=DecodeWorkspace(), pdl=False)
+    alone()
+    row("remaining", alone.remaining, bytes_read(layer) - pages)
+    row("merge", alone.merge, bytes_read(layer) - pages)
     return rows
 
 
@@ -98,7 +105,8 @@ def main(argv=None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"kind": "energy", "method": args.method, "batch": args.batch,
-                                        "length": args.length, "rows": rows, "env": environment()}, indent=1))
+                                        "length": args.length, "rows": rows,
+                                        "env": environment("python -m backend.energy")}, indent=1))
     return 0
 
 

@@ -191,7 +191,8 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"kind": "step_profile", "rows": rows, "env": environment()}, indent=1))
+        args.out.write_text(json.dumps({"kind": "step_profile", "rows": rows,
+                                        "env": environment("python -m backend.step_profile")}, indent=1))
     return 0
 
 
