@@ -5,16 +5,18 @@
 Why: on the H200 the kitty-pro call at batch 64 / 32K runs at the software power cap (BENCHMARKS.md section 1,
 sessions 33 and 44), so its time is its energy over the power the cap leaves: T = E / (P_cap - P_idle), roughly.
 What a change can buy is then a share of E, and this says how E splits. Each row is one launch (or call), timed as
-the bench times it (median of CUDA-graph replays, bench.median_seconds) and then run back to back for a few seconds
-while nvidia-smi samples the GPU's power and clock (bench.gpu_clocks); its energy a call is (power - idle power) x
-time, in mJ, and per byte it must read, in pJ:
+the bench times it (median of CUDA-graph replays, bench.median_seconds) and then replayed back to back from a CUDA
+graph for a few seconds while nvidia-smi samples the GPU's power and clock (bench.gpu_clocks); its energy a call is
+(power - idle power) x time, in mJ, and per byte it must read, in pJ:
   - idle: the GPU with nothing launched (the baseline of every other row);
   - sdpa: torch SDPA over FP16 K/V of the same shape (the bar's baseline, a streaming read);
   - copy: a device-to-device copy of as many bytes as the pages (read + write, counted as both);
   - copies / arithmetic / whole: the paged launch's TMA copies and waits alone, its products alone (over its
     first pages again and again), and both (bench.paged_half, the kernel "auto" takes for this shape);
-  - call: decode_attention's three launches (paged, remaining blocks, merge), as the product runs them;
-  - remaining / merge: the call's other two launches alone (per byte: over the bytes the pages do not hold).
+  - call: decode_attention's three launches (paged, remaining blocks, merge), as the product runs them, and
+    call-nopdl the same launched one after another (no programmatic dependent launch);
+  - remaining / merge: the call's other two launches alone (per byte: over the bytes the pages do not hold);
+  - whole-again: the whole paged launch once more, last (how much the GPU's warming moves a reading).
 Readings come from nvidia-smi's power sensor (tens of ms), so each row is an average over its run, and two rows
 compare only within one run on one machine. GPU only.
 """
@@ -34,6 +36,22 @@ from .bench import (bytes_read, environment, filled_layer, gpu_clocks, median_se
                     random_kv)
 
 SAMPLE_SECONDS = 2.0                # back-to-back launches a row, while nvidia-smi samples power every 10 ms
+GRAPH_CALLS = 20                    # a row's calls in the CUDA graph that its power run replays
+
+
+def graphed(fn, calls: int = GRAPH_CALLS):
+    """A callable that replays `calls` of fn captured in one CUDA graph: so that a row's power run keeps the GPU as
+    busy as its timing did. Launched eagerly, a launch shorter than its CPU launch overhead (the merge's 4 µs, the
+    remaining blocks' 28) leaves the GPU idle between launches and reads a power too low (session 45: 153 and 247
+    W)."""
+    fn()                                            # compiled and warm before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    return graph.replay
 
 
 def energy(rows: dict[str, dict]) -> dict[str, dict]:
@@ -61,7 +79,7 @@ def measure(method: str, batch: int, length: int) -> dict[str, dict]:
     def row(name, fn, nbytes):
         seconds = median_seconds(fn, False)
         rows[name] = dict(us=seconds * 1e6, bytes=nbytes, gbs=nbytes / seconds / 1e9,
-                          **gpu_clocks(fn, device, SAMPLE_SECONDS))
+                          **gpu_clocks(graphed(fn), device, SAMPLE_SECONDS))
         print(f"{name:>10}: " + ", ".join(f"{key} {value:,.1f}" for key, value in rows[name].items()), flush=True)
 
     row("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -78,12 +96,15 @@ def measure(method: str, batch: int, length: int) -> dict[str, dict]:
     for half in ("copies", "arithmetic", "whole"):
         row(half, paged_half(q, kv, splits, gluon_maxnreg(q, kv, splits, kernel), half, kernel=kernel), pages)
     row("call", decode_launches(q, kv, d ** -0.5, workspace=DecodeWorkspace()), bytes_read(layer))
+    row("call-nopdl", decode_launches(q, kv, d ** -0.5, workspace=DecodeWorkspace(), pdl=False), bytes_read(layer))
     # the call's other two launches alone (without PDL, on the buffers of a call just made), as bench attention
     # times them: the remaining blocks (sink and 16-bit buffers: the bytes the pages do not hold) and the merge
     alone = decode_launches(q, kv, d ** -0.5, workspace=DecodeWorkspace(), pdl=False)
     alone()
     row("remaining", alone.remaining, bytes_read(layer) - pages)
     row("merge", alone.merge, bytes_read(layer) - pages)
+    # the whole paged launch again, last: how far the GPU's warming over the run moves a row's power
+    row("whole-again", paged_half(q, kv, splits, gluon_maxnreg(q, kv, splits, kernel), "whole", kernel=kernel), pages)
     return rows
 
 

@@ -506,14 +506,14 @@ def test_local_spikes_compare_a_boundary_step_with_the_steps_around_it():
 
 def test_energy_rows_above_idle():
     """backend.energy: a row's energy a call is its power above the idle GPU's times its time, and per byte that
-    over the bytes it reads (the H100 readings of BENCHMARKS.md section 1, session 45: the paged launch's copies
-    alone, 446.4 us at 487.9 W over 122.3 W idle for 1,335,853,056 bytes, 163.2 mJ and 122 pJ a byte); a row without
-    a power reading (a CPU) is left as it is, and on a CPU the command says it needs a GPU."""
+    over the bytes it reads (the H100 readings of BENCHMARKS.md section 1, session 45, call 10: the paged launch's
+    copies alone, 428.5 us at 512.3 W over 117.1 W idle for 1,335,853,056 bytes, 169.4 mJ and 126.8 pJ a byte); a row
+    without a power reading (a CPU) is left as it is, and on a CPU the command says it needs a GPU."""
     from backend.energy import energy, main
-    rows = energy({"idle": {"power_w": 122.3}, "copies": {"us": 446.4, "bytes": 1_335_853_056, "power_w": 487.9},
+    rows = energy({"idle": {"power_w": 117.1}, "copies": {"us": 428.5, "bytes": 1_335_853_056, "power_w": 512.3},
                    "cpu": {"us": 10.0, "bytes": 100}})
-    assert rows["copies"]["mj"] == pytest.approx(163.2, abs=0.05)
-    assert rows["copies"]["pj_per_byte"] == pytest.approx(122.2, abs=0.05)
+    assert rows["copies"]["mj"] == pytest.approx(169.3, abs=0.1)
+    assert rows["copies"]["pj_per_byte"] == pytest.approx(126.8, abs=0.05)
     assert "mj" not in rows["cpu"] and "mj" not in rows["idle"]
     if not torch.cuda.is_available():
         assert main([]) == 2
