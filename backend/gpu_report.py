@@ -1,12 +1,13 @@
 """Everything a GPU run must say, in one command: the kernel and cache tests compiled on the GPU, the decode
-attention table, the launch-setting sweep, a generation table, a chat's next turn on a ragged batch, (when a
-checkout of an earlier commit is given) the earlier kernel's attention table measured in the same run, and (when
-asked for) Nsight Compute's stall samples of one launch by instruction (backend.kernel_profile).
+attention table, the launch-setting sweep, where a decode call's energy goes (backend.energy), a generation table,
+a chat's next turn on a ragged batch, (when a checkout of an earlier commit is given) the earlier kernel's attention
+table measured in the same run, and (when asked for) Nsight Compute's stall samples of one launch by instruction
+(backend.kernel_profile).
 
-    python -m backend.gpu_report --out DIR [--steps tests attention tune generate turn profile] [--baseline PATH]
+    python -m backend.gpu_report --out DIR [--steps tests attention tune energy generate turn profile] [--baseline PATH]
                                  [--baseline-attention ARGS]
                                  [--budget-s 560] [--generate "--prompt 512 --new-tokens 256" ...] [--attention ARGS]
-                                 [--tune ARGS]
+                                 [--tune ARGS] [--energy ARGS]
                                  [--turn ARGS] [--profile ARGS] [--pytest "tests/test_graphs.py -k graphed"]
 
 Each step is its own process with a share of the time budget; its output goes to DIR/log.txt and its results to
@@ -25,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-STEPS = ("tests", "attention", "tune", "baseline", "generate", "turn", "profile")
+STEPS = ("tests", "attention", "tune", "energy", "baseline", "generate", "turn", "profile")
 
 
 def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None]]]:
@@ -38,6 +39,7 @@ def step_commands(args, out: Path) -> dict[str, list[tuple[list[str], str | None
         "attention": [([py, "-m", "backend.bench", "attention", *shlex.split(args.attention),
                         "--out", str(out / "attention.json")], None)],
         "tune": [([py, "-m", "backend.bench", "tune", *shlex.split(args.tune), "--out", str(out / "tune.json")], None)],
+        "energy": [([py, "-m", "backend.energy", *shlex.split(args.energy), "--out", str(out / "energy.json")], None)],
         "baseline": [([py, "-m", "backend.bench", "attention", *shlex.split(args.baseline_attention),
                        "--out", str(out / "baseline.json")], args.baseline)],
         "generate": [([py, "-m", "backend.bench", "generate", *shlex.split(extra),
@@ -79,6 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tune", default="", metavar="ARGS",
                         help="arguments of the `bench tune` step (e.g. \"--vary warps kernel --batches 1 8\"; default: "
                              "every sweep at every shape)")
+    parser.add_argument("--energy", default="", metavar="ARGS",
+                        help="arguments of the `backend.energy` step (default: kitty-pro, batch 64, 32K tokens)")
     parser.add_argument("--turn", default="", metavar="ARGS",
                         help="arguments of the `bench turn` step (default: 16 sequences of 4,352-8,192 tokens, a turn "
                              "of 256)")

@@ -363,12 +363,12 @@ def test_results_name_the_measured_sources_by_git_blob_id(tmp_path):
 
 
 def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
-    """The one command a device call runs: each generate table, the attention table and the tune sweep get the
-    arguments given for them."""
+    """The one command a device call runs: each generate table, the attention table, the tune sweep and the energy
+    rows get the arguments given for them."""
     from backend.gpu_report import main, step_commands
     parser_args = type("Args", (), dict(pytest="tests/test_kernels.py -k gluon", tune="--vary warps --batches 1",
                                         generate=["--prompt 64 --methods kitty", "--prompt 32"], baseline="old",
-                                        turn="--batch 4", attention="--kernels triton gluon",
+                                        turn="--batch 4", attention="--kernels triton gluon", energy="--batch 8",
                                         baseline_attention="--kernels gluon --methods kitty-pro",
                                         profile=["", "--methods kivi-k2v2 --batches 8",
                                                  "--command tune --nvtx-range gluon-tma.arithmetic.168 -- --vary "
@@ -380,6 +380,7 @@ def test_gpu_report_passes_each_steps_own_arguments(tmp_path):
     assert steps["attention"][0][0][-6:] == ["attention", "--kernels", "triton", "gluon", "--out",
                                               str(tmp_path / "attention.json")]
     assert steps["turn"][0][0][-5:] == ["turn", "--batch", "4", "--out", str(tmp_path / "turn.json")]
+    assert steps["energy"][0][0][2:] == ["backend.energy", "--batch", "8", "--out", str(tmp_path / "energy.json")]
     generate = [cmd[-5:-2] for cmd, _ in steps["generate"]]
     assert generate == [["64", "--methods", "kitty"], ["generate", "--prompt", "32"]]
     assert steps["tests"][0][0][-3:] == ["tests/test_kernels.py", "-k", "gluon"]
