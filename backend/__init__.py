@@ -43,12 +43,13 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     "gluon" (kernels/decode_gluon.py, pages copied by cp.async; what it cannot take runs on Triton), "gluon-tma"
     (the same with TMA copies, Hopper only) or "auto" (default: "gluon-tma" on Hopper, with the experiments
     "+zq-ahead+fold-max" where its programs walk 32 pages or more (kernels.decode_attention.folds_max), and also
-    "+q-rows" for kitty-pro's 32 boosted channels from 64 pages a program (reads_rows); "gluon" on other GPUs
+    "+q-rows" for kitty-pro's 32 boosted channels from 64 pages a program on a device whose memory reads 4 TB/s or
+    more, as the H200's does and an H100 SXM's does not (reads_rows); "gluon" on other GPUs
     wherever it applies; the Gluon kernel was 1.2-1.6x faster than Triton at every shape the H200 measured, and its
     TMA copies 3-11 % faster than cp.async at 5 of 6 shapes, equal at the sixth: BENCHMARKS.md section 1, session
     16; the experiments 1.6-2.2 % faster at batch 64 / 32K in session 38, zq-ahead and fold-max faster at all 12
     shapes and methods of 32 to 86 pages a program and q-rows 0.3-1.0 % faster for kitty-pro at 64 / 32K in session
-    39). The experiments
+    39; on an H100, q-rows 1.7 % slower there, session 45). The experiments
     "gluon-tma-i8k" / "gluon-tma-i8" do the key (and value) products in 8-bit integers, which changes the numbers
     (kernels/i8_reference.py); a cache on a CPU decodes with their arithmetic, at any shape, so that their cost in
     accuracy can be measured there (`python -m backend.bench quality`).

@@ -1,6 +1,6 @@
 """Where a decode call's energy goes on the GPU: each part's joules a call above the idle GPU, and per byte.
 
-    python -m backend.energy [--method kitty-pro] [--batch 64] [--length 32768] [--out energy.json]
+    python -m backend.energy [--method kitty-pro] [--batch 64] [--length 32768] [--kernels K ...] [--out energy.json]
 
 Why: on the H200 the kitty-pro call at batch 64 / 32K runs at the software power cap (BENCHMARKS.md section 1,
 sessions 33 and 44), so its time is its energy over the power the cap leaves: T = E / (P_cap - P_idle), roughly.
@@ -16,6 +16,7 @@ graph for a few seconds while nvidia-smi samples the GPU's power and clock (benc
   - call: decode_attention's three launches (paged, remaining blocks, merge), as the product runs them, and
     call-nopdl the same launched one after another (no programmatic dependent launch);
   - remaining / merge: the call's other two launches alone (per byte: over the bytes the pages do not hold);
+  - with --kernels, each one's arithmetic alone, whole paged launch and call (the 8-bit products' energy ...);
   - whole-again: the whole paged launch once more, last (how much the GPU's warming moves a reading).
 Readings come from nvidia-smi's power sensor (tens of ms), so each row is an average over its run, and two rows
 compare only within one run on one machine. GPU only.
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.decode_attention import (GLUON_MAXNREG, DecodeWorkspace, choose_kernel, decode_launches, gluon_maxnreg,
-                                      split_count)
+from kernels.decode_attention import (GLUON_MAXNREG, DecodeWorkspace, check_kernel, choose_kernel, decode_launches,
+                                      gluon_maxnreg, split_count)
 
 from .bench import (bytes_read, environment, filled_layer, gpu_clocks, median_seconds, paged_bytes, paged_half,
                     random_kv)
@@ -68,8 +69,10 @@ def energy(rows: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def measure(method: str, batch: int, length: int) -> dict[str, dict]:
-    """The rows of the module docstring at Qwen3-8B's attention shape (32 query heads, 8 KV heads, head_dim 128)."""
+def measure(method: str, batch: int, length: int, kernels: tuple[str, ...] = ()) -> dict[str, dict]:
+    """The rows of the module docstring at Qwen3-8B's attention shape (32 query heads, 8 KV heads, head_dim 128), and
+    for each of `kernels` (decode_attention's, with TMA copies) its paged launch's arithmetic alone, whole launch and
+    call, "arithmetic K", "whole K" and "call K"."""
     device = "cuda"
     hq, h, d = 32, 8, 128
     k, v = random_kv(batch, h, length, d, torch.bfloat16, device)
@@ -91,10 +94,13 @@ def measure(method: str, batch: int, length: int) -> dict[str, dict]:
     target = torch.empty_like(source)
     row("copy", lambda: target.copy_(source), 2 * pages)
     del source, target
+    def half(name, half, kernel):
+        splits = split_count(q, kv, kernel, GLUON_MAXNREG)         # as decode_launches resolves them
+        row(name, paged_half(q, kv, splits, gluon_maxnreg(q, kv, splits, kernel), half, kernel=kernel), pages)
+
     kernel = choose_kernel(q, kv)
-    splits = split_count(q, kv, kernel, GLUON_MAXNREG)             # as decode_launches resolves them
-    for half in ("copies", "arithmetic", "whole"):
-        row(half, paged_half(q, kv, splits, gluon_maxnreg(q, kv, splits, kernel), half, kernel=kernel), pages)
+    for name in ("copies", "arithmetic", "whole"):
+        half(name, name, kernel)
     row("call", decode_launches(q, kv, d ** -0.5, workspace=DecodeWorkspace()), bytes_read(layer))
     row("call-nopdl", decode_launches(q, kv, d ** -0.5, workspace=DecodeWorkspace(), pdl=False), bytes_read(layer))
     # the call's other two launches alone (without PDL, on the buffers of a call just made), as bench attention
@@ -103,8 +109,13 @@ def measure(method: str, batch: int, length: int) -> dict[str, dict]:
     alone()
     row("remaining", alone.remaining, bytes_read(layer) - pages)
     row("merge", alone.merge, bytes_read(layer) - pages)
+    for other in kernels:
+        half(f"arithmetic {other}", "arithmetic", other)
+        half(f"whole {other}", "whole", other)
+        row(f"call {other}", decode_launches(q, kv, d ** -0.5, workspace=DecodeWorkspace(), kernel=other),
+            bytes_read(layer))
     # the whole paged launch again, last: how far the GPU's warming over the run moves a row's power
-    row("whole-again", paged_half(q, kv, splits, gluon_maxnreg(q, kv, splits, kernel), "whole", kernel=kernel), pages)
+    half("whole-again", "whole", kernel)
     return rows
 
 
@@ -113,15 +124,18 @@ def main(argv=None) -> int:
     parser.add_argument("--method", default="kitty-pro")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--kernels", nargs="*", default=[], type=check_kernel,
+                        help="also these decode kernels' arithmetic alone, whole paged launch and call (Gluon kernels "
+                             "with TMA copies: gluon-tma-i8 ...)")
     parser.add_argument("--out", type=Path, help="write the rows and the environment as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("backend.energy measures a GPU's power: no GPU here", file=sys.stderr)
         return 2
-    rows = energy(measure(args.method, args.batch, args.length))
-    print(f"{'row':>10} {'us':>9} {'W':>6} {'MHz':>6} {'mJ a call':>10} {'pJ / byte':>10}")
+    rows = energy(measure(args.method, args.batch, args.length, tuple(args.kernels)))
+    print(f"{'row':>24} {'us':>9} {'W':>6} {'MHz':>6} {'mJ a call':>10} {'pJ / byte':>10}")
     for name, row in rows.items():
-        print(f"{name:>10} {row.get('us', 0):9.1f} {row.get('power_w', 0):6.0f} {row.get('sm_mhz', 0):6.0f} "
+        print(f"{name:>24} {row.get('us', 0):9.1f} {row.get('power_w', 0):6.0f} {row.get('sm_mhz', 0):6.0f} "
               f"{row.get('mj', 0):10.1f} {row.get('pj_per_byte', 0):10.1f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -602,7 +602,10 @@ GLUON_MAXNREG_FEW = 192
 # the H200 (session 39): kitty-pro at 64 / 32K 372.0, 373.9 and 372.8 against 375.6 and 375.0 us (two runs; 4.98x
 # SDPA at best), equal at 32 / 32K (191.9 against 191.1), slower at 1 / 32K (14.3 against 12.9) and for kitty, whose
 # 16 boosted channels leave half the lanes idle (356.4 against 351.2 at 64 / 32K, 183.3 against 180.8 at 32 / 32K):
-# "auto" adds it where a program walks ROWS_PAGES pages and the keys have ROWS_BOOSTED boosted channels (reads_rows).
+# "auto" adds it where a program walks ROWS_PAGES pages and the keys have ROWS_BOOSTED boosted channels (reads_rows),
+# on a device whose memory reads at least ROWS_MIN_GBS: on an H100 SXM (3,352 GB/s) q-rows was slower, kitty-pro at
+# 64 / 32K 466.4-467.6 us a call with it against 458.2-459.3 without (FOLDED_KERNEL and the plain kernel, two runs;
+# BENCHMARKS.md section 1, session 45), where the launch waits on its copies (428 of its 456 us) more than on power.
 # Deleted after measuring (BENCHMARKS.md section 1, session 44):
 # - "two-rows" (commit 3b1405b holds it), the sums of p and of p * zero from a first operand with the zeros in row 0
 #   and ones in row 8 and zeros elsewhere instead of 8 copies of each, for the matrix unit's power: on the H200 equal
@@ -619,6 +622,8 @@ FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
 ROWS_KERNEL = FOLDED_KERNEL + "+q-rows"
 ROWS_PAGES = 64                    # measured faster at 85 pages a program, equal at 43
 ROWS_BOOSTED = 32                  # kitty-pro's at head_dim 128; kitty's 16 measured slower, other counts not measured
+ROWS_MIN_GBS = 4000                # measured faster on the H200 (4.8 TB/s by its specification), slower on the H100
+                                   # SXM (3,352 GB/s by its properties); none between the two was measured
 # Pages a program from which "auto" takes FOLDED_KERNEL: on the H200 faster for kitty-pro, kitty and kivi-k2v2 at 86,
 # 43 and 32 (Qwen3-8B's batch 64 / 32K; 32 / 32K and 64 / 16K; 32 / 16K: by 7.5-6.9, 4.5-1.7, 3.5-1.0 and 1.0-0.7 us
 # a call, one run, BENCHMARKS.md section 1, session 39), not at 2 (1 / 32K, session 38); a program's zero terms come
@@ -711,16 +716,16 @@ def gluon_maxnreg(q: torch.Tensor, kv: PagedKV, num_splits: int, kernel: str = "
 
 def choose_kernel(q: torch.Tensor, kv: PagedKV, num_warps: int = 1) -> str:
     """decode_attention(kernel="auto")'s choice for one-warp programs: for a launch it supports
-    (decode_gluon.supports_tma: a Hopper GPU) ROWS_KERNEL where reads_rows, else FOLDED_KERNEL where folds_max,
-    else "gluon-tma"; else "gluon" for one the Gluon kernel supports (decode_gluon.supports: a GPU, 16-bit queries,
-    tileable pages), else "triton"."""
+    (decode_gluon.supports_tma: a Hopper GPU) ROWS_KERNEL where reads_rows (with the device's memory bandwidth),
+    else FOLDED_KERNEL where folds_max, else "gluon-tma"; else "gluon" for one the Gluon kernel supports
+    (decode_gluon.supports: a GPU, 16-bit queries, tileable pages), else "triton"."""
     from . import decode_gluon
     if num_warps != 1 or not decode_gluon.supports(q, kv):
         return "triton"
     if not decode_gluon.supports_tma(q, kv):
         return "gluon"
     sm_count = multiprocessors(q.device)
-    if reads_rows(q, kv, sm_count):
+    if reads_rows(q, kv, sm_count, device_memory_gbs(q.device)):
         return ROWS_KERNEL
     return FOLDED_KERNEL if folds_max(q, kv, sm_count) else "gluon-tma"
 
@@ -737,10 +742,28 @@ def folds_max(q: torch.Tensor, kv: PagedKV, sm_count: int) -> bool:
     return pages_a_program(q, kv, sm_count) >= FOLD_PAGES
 
 
-def reads_rows(q: torch.Tensor, kv: PagedKV, sm_count: int) -> bool:
-    """Whether pages_a_program is at least ROWS_PAGES and the key pages have ROWS_BOOSTED boosted channels: where
-    "auto" takes ROWS_KERNEL."""
-    return kv.n_boost == ROWS_BOOSTED and pages_a_program(q, kv, sm_count) >= ROWS_PAGES
+def reads_rows(q: torch.Tensor, kv: PagedKV, sm_count: int, memory_gbs: float | None = None) -> bool:
+    """Whether pages_a_program is at least ROWS_PAGES, the key pages have ROWS_BOOSTED boosted channels and the
+    device's memory bandwidth (memory_gbs; None where not known, as before it was measured) is at least
+    ROWS_MIN_GBS: where "auto" takes ROWS_KERNEL."""
+    fast_memory = memory_gbs is None or memory_gbs >= ROWS_MIN_GBS
+    return kv.n_boost == ROWS_BOOSTED and fast_memory and pages_a_program(q, kv, sm_count) >= ROWS_PAGES
+
+
+def bandwidth_gbs(memory_clock_khz: float, bus_width_bits: int) -> float:
+    """A device's memory bandwidth from its memory clock and bus width (double data rate), GB/s: an H100 SXM's
+    2,619 MHz and 5,120 bits read 3,352 GB/s."""
+    return memory_clock_khz * 1e3 * 2 * bus_width_bits / 8 / 1e9
+
+
+def device_memory_gbs(device: torch.device) -> float | None:
+    """A CUDA device's memory bandwidth by its properties (bandwidth_gbs); None on a CPU or where torch does not
+    give its memory clock and bus width."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    clock, width = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return bandwidth_gbs(clock, width) if clock and width else None
 
 
 def decode_attention(q: torch.Tensor, kv: PagedKV, sm_scale: float, num_splits: int | None = None,

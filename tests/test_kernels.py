@@ -23,10 +23,11 @@ from paged_factory import random_paged_kv
 from backend.cache import KittyLayer
 from backend.methods import method_config
 from kernels.decode_attention import (FOLDED_KERNEL, GLUON_KERNELS, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS,
-                                      ROWS_KERNEL, DecodeWorkspace, balanced_splits, check_kernel, decode_attention,
-                                      decode_attention_ref, decode_launches, default_splits, folds_max, gather_kv,
-                                      gluon_maxnreg, is_gluon, kernel_parts, merge_blocks, merge_splits,
-                                      multiprocessors, reads_rows, split_count)
+                                      ROWS_KERNEL, ROWS_MIN_GBS, DecodeWorkspace, balanced_splits, bandwidth_gbs,
+                                      check_kernel, decode_attention, decode_attention_ref, decode_launches,
+                                      default_splits, device_memory_gbs, folds_max, gather_kv, gluon_maxnreg,
+                                      is_gluon, kernel_parts, merge_blocks, merge_splits, multiprocessors,
+                                      reads_rows, split_count)
 from kernels.decode_rest import (REST_LOOP_PAGES, rest_blocks, rest_blocks_per_program, rest_maxnreg, rest_parts,
                                  rest_warps, takes_fields)
 from kernels.dequantize import (dequantize_keys_ref, dequantize_pages_into, dequantize_pages_into_ref,
@@ -1163,6 +1164,14 @@ def test_auto_folds_the_max_only_where_programs_walk_many_pages(method):
     rows = reads_rows(torch.zeros(64, 32, 128, dtype=torch.bfloat16),
                       dataclasses.replace(kv, k_table=tables, v_table=tables), 132)
     assert rows == (method == "kitty-pro") and check_kernel(ROWS_KERNEL).endswith("+q-rows")
+    # ... on a device whose memory reads at least ROWS_MIN_GBS: on an H100 SXM (2,619 MHz, 5,120 bits: 3,352 GB/s)
+    # it was slower at 64 / 32K (session 45); a device that does not say keeps it
+    assert bandwidth_gbs(2_619_000, 5120) == pytest.approx(3352.3, abs=0.1)
+    for gbs in (bandwidth_gbs(2_619_000, 5120), 4800.0, None):
+        assert reads_rows(torch.zeros(64, 32, 128, dtype=torch.bfloat16),
+                          dataclasses.replace(kv, k_table=tables, v_table=tables), 132, gbs) == (
+            rows and (gbs is None or gbs >= ROWS_MIN_GBS))
+    assert device_memory_gbs(torch.device("cpu")) is None
     tables = torch.zeros(32, 256, dtype=torch.int32)
     assert not reads_rows(torch.zeros(32, 32, 128, dtype=torch.bfloat16),
                           dataclasses.replace(kv, k_table=tables, v_table=tables), 132)
