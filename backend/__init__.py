@@ -43,7 +43,7 @@ def make_cache(model, method: str | CacheConfig = "kitty", *, use_triton: bool |
     "gluon" (kernels/decode_gluon.py, pages copied by cp.async; what it cannot take runs on Triton), "gluon-tma"
     (the same with TMA copies, Hopper only) or "auto" (default: "gluon-tma" on Hopper, with the experiments
     "+zq-ahead+fold-max" where its programs walk 32 pages or more (kernels.decode_attention.folds_max), and also
-    "+q-rows" for kitty-pro's 32 boosted channels from 64 pages a program on a device whose memory reads 4 TB/s or
+    "+q-rows" for kitty-pro's 32 boosted channels from 64 pages a program on a device whose memory reads 3.7 TB/s or
     more, as the H200's does and an H100 SXM's does not (reads_rows); "gluon" on other GPUs
     wherever it applies; the Gluon kernel was 1.2-1.6x faster than Triton at every shape the H200 measured, and its
     TMA copies 3-11 % faster than cp.async at 5 of 6 shapes, equal at the sixth: BENCHMARKS.md section 1, session
