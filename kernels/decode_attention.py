@@ -623,8 +623,8 @@ ROWS_KERNEL = FOLDED_KERNEL + "+q-rows"
 ROWS_PAGES = 64                    # measured faster at 85 pages a program, equal at 43
 ROWS_BOOSTED = 32                  # kitty-pro's at head_dim 128; kitty's 16 measured slower, other counts not measured
 # measured faster on the H200 (4.8 TB/s by its specification), slower on the H100 SXM (3,352 GB/s by its properties);
-# none between the two was measured. The line is drawn 10 % above the H100's, so that an H200 whose driver reports a
-# narrower bus or a lower clock than its specification (as B200s' drivers once did) keeps it
+# none between the two was measured. The line is drawn 10 % above the H100's, so that an H200 keeps it even where its
+# driver reports a bus or clock off its specification (a B200's driver once reported 8,192 bits for its 7,680)
 ROWS_MIN_GBS = 3700
 # Pages a program from which "auto" takes FOLDED_KERNEL: on the H200 faster for kitty-pro, kitty and kivi-k2v2 at 86,
 # 43 and 32 (Qwen3-8B's batch 64 / 32K; 32 / 32K and 64 / 16K; 32 / 16K: by 7.5-6.9, 4.5-1.7, 3.5-1.0 and 1.0-0.7 us
