@@ -16,7 +16,7 @@ graph for a few seconds while nvidia-smi samples the GPU's power and clock (benc
   - call: decode_attention's three launches (paged, remaining blocks, merge), as the product runs them, and
     call-nopdl the same launched one after another (no programmatic dependent launch);
   - remaining / merge: the call's other two launches alone (per byte: over the bytes the pages do not hold);
-  - with --kernels, each one's arithmetic alone, whole paged launch and call (the 8-bit products' energy ...);
+  - with --kernels, each one's arithmetic alone, whole paged launch and call (gluon-tma-i8, the plain gluon-tma ...);
   - whole-again: the whole paged launch once more, last (how much the GPU's warming moves a reading).
 Readings come from nvidia-smi's power sensor (tens of ms), so each row is an average over its run, and two rows
 compare only within one run on one machine. GPU only.
@@ -43,8 +43,8 @@ GRAPH_CALLS = 20                    # a row's calls in the CUDA graph that its p
 def graphed(fn, calls: int = GRAPH_CALLS):
     """A callable that replays `calls` of fn captured in one CUDA graph: so that a row's power run keeps the GPU as
     busy as its timing did. Launched eagerly, a launch shorter than its CPU launch overhead (the merge's 4 µs, the
-    remaining blocks' 28) leaves the GPU idle between launches and reads a power too low (session 45: 153 and 247
-    W)."""
+    remaining blocks' 28) leaves the GPU idle between launches and reads a power too low, and so did the Gluon paged
+    launch's Python (session 45: 153, 247 and 630 W, against 309, 503 and 694 from a graph)."""
     fn()                                            # compiled and warm before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
