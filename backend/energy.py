@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from kernels.decode_attention import (GLUON_MAXNREG, DecodeWorkspace, check_kernel, choose_kernel, decode_launches,
-                                      gluon_maxnreg, split_count)
+                                      gluon_maxnreg, is_gluon, split_count)
 
 from .bench import (bytes_read, environment, filled_layer, gpu_clocks, median_seconds, paged_bytes, paged_half,
                     random_kv)
@@ -95,6 +95,10 @@ def measure(method: str, batch: int, length: int, kernels: tuple[str, ...] = ())
     row("copy", lambda: target.copy_(source), 2 * pages)
     del source, target
     def half(name, half, kernel):
+        from kernels.decode_gluon import kernel_options
+        if not (is_gluon(kernel) and kernel_options(kernel)["use_tma"]):
+            print(f"{name:>10}: skipped, {kernel} is not a Gluon kernel with TMA copies (a Hopper GPU's)", flush=True)
+            return
         splits = split_count(q, kv, kernel, GLUON_MAXNREG)         # as decode_launches resolves them
         row(name, paged_half(q, kv, splits, gluon_maxnreg(q, kv, splits, kernel), half, kernel=kernel), pages)
 
