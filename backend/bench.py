@@ -393,7 +393,7 @@ def bench_tune(args) -> dict:
                   # weights (FOLDED_KERNEL, what "auto" takes for launches of many pages a program), and with the
                   # boosted channels' queries from a transposed copy (ROWS_KERNEL, kitty-pro's longest launches)
                   "experiments": [{**gluon(cap, kernel=k), "loads": half} for k in (
-                      "gluon-tma", "gluon-tma+zq-ahead", FOLDED_KERNEL, ROWS_KERNEL, ROWS_KERNEL + "+lazy-rescale")
+                      "gluon-tma", "gluon-tma+zq-ahead", FOLDED_KERNEL, ROWS_KERNEL)
                       for half in (None, "whole", "arithmetic")]}
         settings = [base] + [s for name in args.vary for s in sweeps[name] if s != base]
         settings = [s for i, s in enumerate(settings) if s not in settings[:i]

@@ -592,11 +592,7 @@ GLUON_MAXNREG_FEW = 192
 # - "fold-max": the scores' quarter weights and zero term applied in the exponent's multiply-add, after the page's
 #   maximum is taken from the unweighted sums (decode_gluon's FOLD_MAX: 32 fewer FADD a page, fp16 key products);
 # - "q-rows": the boosted channels' queries read from a transposed copy that each program writes first, a channel's
-#   8 heads in one 16-byte load (decode_gluon's Q_ROWS, fp16 key products; DecodeWorkspace.query_rows);
-# - "lazy-rescale": the running sums rescaled only on pages that raise some head's maximum (decode_gluon's
-#   LAZY_RESCALE, fp16 value products): 36 FMUL and 2 MUFU off most pages of a long sequence for a reduction and a
-#   branch. Session 14 measured it no faster on the H200, before the call ran power-capped; now the question is its
-#   energy (BENCHMARKS.md section 1, session 45).
+#   8 heads in one 16-byte load (decode_gluon's Q_ROWS, fp16 key products; DecodeWorkspace.query_rows).
 # Measured on an H100 (BENCHMARKS.md section 1, session 35): no faster at batch 64 (kitty-pro 483.7 and 483.4 against
 # 483.8 us a call at 64 / 32K, the arithmetic alone 323.6 and 321.7 against 319.4), 0.3-0.7 us slower at batches 1
 # and 8. On the H200, whose power cap is what they were written for (session 38, one run): both together 391.5
@@ -621,7 +617,7 @@ GLUON_MAXNREG_FEW = 192
 #   W): the shuffles and the shared-memory round trip lengthen each warp's page, and 3 warps a scheduler do not hide
 #   that.
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
-GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows", "lazy-rescale")
+GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows")
 FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"
 ROWS_KERNEL = FOLDED_KERNEL + "+q-rows"
 ROWS_PAGES = 64                    # measured faster at 85 pages a program, equal at 43
@@ -642,8 +638,8 @@ def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
     """decode_attention's `kernel` -> (its base, the experiments its name adds): ("gluon-tma", ("zq-ahead",)) for
     "gluon-tma+zq-ahead". ValueError for a name decode_attention does not take: a base outside KERNELS,
     experiments on a kernel that is not a Gluon kernel, an unknown or repeated experiment, "fold-max" without
-    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms),
-    "q-rows" on the 8-bit key products, or "lazy-rescale" on the 8-bit value products."""
+    "zq-ahead" or on the 8-bit key products (it folds the fp16 key products' weights and zq-ahead's terms), or
+    "q-rows" on the 8-bit key products."""
     base, *extras = kernel.split("+")
     if base not in KERNELS or (extras and base not in GLUON_KERNELS):
         raise ValueError(f"unknown decode kernel {kernel!r}: choose one of {', '.join(KERNELS)}, a Gluon kernel "
@@ -657,8 +653,6 @@ def kernel_parts(kernel: str) -> tuple[str, tuple[str, ...]]:
                          "terms of zq-ahead into the exponent: it takes a kernel with both")
     if "q-rows" in extras and base.endswith(("i8k", "i8")):
         raise ValueError(f"decode kernel {kernel!r}: q-rows builds the fp16 key products' boosted operand")
-    if "lazy-rescale" in extras and base.endswith("i8"):
-        raise ValueError(f"decode kernel {kernel!r}: lazy-rescale skips the fp16 value products' rescaling")
     return base, tuple(extras)
 
 

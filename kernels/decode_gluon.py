@@ -567,7 +567,7 @@ def _zero_rows(zero_s, K: gl.constexpr):
 
 @gluon.jit
 def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D: gl.constexpr, G: gl.constexpr,
-                    V_BITS: gl.constexpr, I8: gl.constexpr, fold_zq=None, scale=1.0, LAZY: gl.constexpr = False):
+                    V_BITS: gl.constexpr, I8: gl.constexpr, fold_zq=None, scale=1.0):
     """The online softmax over a page's 4 score quarters (full pages: no token masked) and the value page in vbufs
     accumulated, token quarter i with score quarter i: out^T (channel, head) += codes (channel, token) @ (p * scale)
     (token, head). The sums of p and of p * zero are one product a 16 tokens (_zero_rows), in `sums`, a (16, HEADS)
@@ -581,9 +581,7 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D:
     an experiment): s0 .. s3 are the key products' unweighted sums (_key_scores' FOLD), fold_zq the page's zero
     terms (log2 units) and scale qk_scale / Q_SCALE: the page's maximum is taken from each quarter's sums' maximum
     over the rows a thread holds, times its weight (the weights are positive), and each score's weight and the zero
-    term less the running max go into the exponent's one multiply-add (_folded_max). LAZY (LAZY_RESCALE, an
-    experiment; fp16 value products): the running sums rescaled only on a page that raises some head's maximum, a
-    branch the whole warp takes or skips (session 14's measurement predates the power cap)."""
+    term less the running max go into the exponent's one multiply-add (_folded_max)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
@@ -593,25 +591,15 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D:
     else:
         page_max = _folded_max(s0, s1, s2, s3, scale) + fold_zq
     m_new = gl.maximum(m_i, page_max)
-    if LAZY:
-        # m_new - m_i: +inf on a head's first page, 0 for the padding heads (PAD_HEAD_MAX) and where nothing rose
-        if gl.max(m_new - m_i, axis=0) > 0.0:
-            alpha = gl.exp2(m_i - m_new)[None, :]
-            sums = sums * alpha
-            acc0 = acc0 * alpha
-            acc1 = acc1 * alpha
-            acc2 = acc2 * alpha
-            acc3 = acc3 * alpha
-    else:
-        alpha = gl.exp2(m_i - m_new)[None, :]
-        sums = sums * alpha
+    alpha = gl.exp2(m_i - m_new)[None, :]
+    sums = sums * alpha
     if I8:
         r = _i8_value_scale(vscale_s, page_max, m_new, G)
         i0 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
         i1 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
         i2 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
         i3 = gl.full([D4, HEADS], I8_MAGIC, gl.int32, mma)
-    elif not LAZY:
+    else:
         acc0 = acc0 * alpha
         acc1 = acc1 * alpha
         acc2 = acc2 * alpha
@@ -977,10 +965,10 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
           live, zq_row, pad_zero, pipeline, state, H: gl.constexpr, D: gl.constexpr, G: gl.constexpr,
           NB: gl.constexpr, V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr, FOLD: gl.constexpr,
           COMPUTE: gl.constexpr, COPIES: gl.constexpr, WAITS: gl.constexpr, PAD: gl.constexpr, PAD_N: gl.constexpr,
-          QT: gl.constexpr = False, LAZY: gl.constexpr = False):
+          QT: gl.constexpr = False):
     """Paged slot `slot` of _gluon_paged_kernel's loop (its arguments; keys / values: the page tensors' pointers or
     descriptors; zq_row: the slot's keys' zero terms, ZQ_AHEAD, or None; QT: q_rows is the transposed queries,
-    Q_ROWS; LAZY: LAZY_RESCALE, _value_products): wait for its keys, their scores, refill the
+    Q_ROWS): wait for its keys, their scores, refill the
     key buffer with the next slot's, wait for its values, the softmax and value products, refill the value buffer.
     pipeline: (phase, this slot's key page, the next slot's key and value pages, key and value waits), state: (running
     max, the sums of p and of p * zero, the 4 accumulators); returns both after the slot."""
@@ -1019,7 +1007,7 @@ def _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values
             fold_zq = zq_row
         m_i, sums, acc0, acc1, acc2, acc3 = _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2,
                                                             acc3, D, G, V_BITS, I8 == 2, fold_zq,
-                                                            qk_scale * (1.0 / Q_SCALE), LAZY)
+                                                            qk_scale * (1.0 / Q_SCALE))
     _BARRIER()                                      # the value reads are done: refill the value buffer
     if more:
         _fetch_values(vbufs, vbar, vpage_next, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, D, G, V_BITS, TMA)
@@ -1039,8 +1027,7 @@ def _gluon_paged_kernel(
         qk_scale, KMP, VMP, NSPLIT, NPART,
         H: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, G: gl.constexpr, NB: gl.constexpr,
         V_BITS: gl.constexpr, TMA: gl.constexpr, I8: gl.constexpr = 0, ZQ_AHEAD: gl.constexpr = False,
-        FOLD_MAX: gl.constexpr = False, Q_ROWS: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        FOLD_MAX: gl.constexpr = False, Q_ROWS: gl.constexpr = False, PDL: gl.constexpr = False,
         COMPUTE: gl.constexpr = True, COPIES: gl.constexpr = True, times_ptr=None, WAITS: gl.constexpr = False,
         PAD: gl.constexpr = "", PAD_N: gl.constexpr = 0, pad_zero=0):
     """Program (b, h, part < NSPLIT): the paged slots [start, end) of sequence b, KV head h (the Triton kernel's
@@ -1051,9 +1038,8 @@ def _gluon_paged_kernel(
     ZQ_AHEAD, the keys' zero terms a window of ZQ_SLOTS slots at a time, 16 pages a product (_zero_terms), the loop
     over slots (_slot) nested in a loop over windows; FOLD_MAX (with ZQ_AHEAD), the scores' weights and zero term in
     the exponent (_folded_max); Q_ROWS, the boosted channels' queries read from the program's transposed copy at
-    qt_ptr (D * HEADS fp16 a (sequence, KV head), _query_rows, _boosted_rows); LAZY_RESCALE, the running sums
-    rescaled only on pages that raise a maximum (_value_products' LAZY). PDL: the remaining blocks' kernel after it
-    may start at once (decode_launches' pdl).
+    qt_ptr (D * HEADS fp16 a (sequence, KV head), _query_rows, _boosted_rows). PDL: the remaining blocks' kernel after
+    it may start at once (decode_launches' pdl).
     Two measurements that are not attention (`python -m backend.bench tune --vary loads`): COMPUTE=False, the page
     loop's copies, waits and barriers only (the memory pipeline's own ceiling); COPIES=False, its products and
     barriers only, over the first slot's pages again and again (the arithmetic's own time). times_ptr (a
@@ -1085,7 +1071,6 @@ def _gluon_paged_kernel(
         vbar = 0
     ZQ: gl.constexpr = ZQ_AHEAD and COMPUTE
     FOLD: gl.constexpr = FOLD_MAX and ZQ and I8 == 0              # decode_attention.kernel_parts: with zq-ahead
-    LAZY: gl.constexpr = LAZY_RESCALE and I8 < 2                    # decode_attention.kernel_parts: fp16 values
     start, end, last, ktab, vtab, kbufs, vbufs, kpage, kpage_next, vpage_next = _first_slots(
         b, h, part, ktab_ptr, vtab_ptr, nkp_ptr, nvp_ptr, KMP, VMP, NSPLIT, klow_ptr, khigh_ptr, kch_ptr, kscale_ptr,
         kzero_ptr, vlow_ptr, vhigh_ptr, vscale_ptr, vzero_ptr, kbar, vbar, H, D, G, NB, V_BITS, TMA, not ZQ)
@@ -1128,12 +1113,12 @@ def _gluon_paged_kernel(
                 pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
                                         q_rows, qk_scale, kscale_rows, live, _zero_term(zq_s, slot - first),
                                         pad_zero, pipeline, state, H, D, G, NB, V_BITS, TMA, I8, FOLD, COMPUTE,
-                                        COPIES, WAITS, PAD, PAD_N, QT, LAZY)
+                                        COPIES, WAITS, PAD, PAD_N, QT)
     else:
         for slot in range(start, end):
             pipeline, state = _slot(slot, end, last, ktab, vtab, h, kbufs, vbufs, kbar, vbar, keys, values, q_s,
                                     q_rows, qk_scale, kscale_rows, live, None, pad_zero, pipeline, state, H, D, G, NB,
-                                    V_BITS, TMA, I8, FOLD, COMPUTE, COPIES, WAITS, PAD, PAD_N, QT, LAZY)
+                                    V_BITS, TMA, I8, FOLD, COMPUTE, COPIES, WAITS, PAD, PAD_N, QT)
     key_wait, value_wait = pipeline[4], pipeline[5]
     m_i, sums, acc0, acc1, acc2, acc3 = state
     if not TMA:

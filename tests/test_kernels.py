@@ -386,11 +386,11 @@ GLUON_CASES = [
 
 
 # The Gluon kernels the GPU tests run: each base kernel, and each with the experiments it takes
-# (decode_attention.GLUON_EXPERIMENTS; fold-max only with zq-ahead, neither it nor q-rows on the 8-bit key products,
-# lazy-rescale not on the 8-bit value products)
+# (decode_attention.GLUON_EXPERIMENTS; fold-max only with zq-ahead, and neither it nor q-rows on the 8-bit key
+# products)
 GLUON_TESTED = (*GLUON_KERNELS, "gluon-tma+zq-ahead", "gluon-tma+zq-ahead+fold-max", "gluon+zq-ahead+fold-max",
                 "gluon-tma-i8k+zq-ahead", "gluon-tma-i8+zq-ahead", "gluon-tma+zq-ahead+fold-max+q-rows",
-                "gluon+q-rows", "gluon-tma+zq-ahead+fold-max+q-rows+lazy-rescale", "gluon+lazy-rescale")
+                "gluon+q-rows")
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="Gluon kernels need a GPU")
@@ -684,15 +684,14 @@ def test_kernel_names_add_experiments_and_bad_names_are_refused():
     """decode_attention's kernel names: a name of KERNELS, or a Gluon kernel with experiments "+name" each, in any
     order (the same options); each refusal is a ValueError that names the choices: an unknown base or experiment,
     experiments on a kernel that is not a Gluon kernel, one twice, fold-max without zq-ahead or with the 8-bit key
-    products, q-rows with them, lazy-rescale with the 8-bit value products, a name that is not a string.
-    decode_attention refuses them before it launches anything."""
+    products, q-rows with them, a name that is not a string. decode_attention refuses them before it launches
+    anything."""
     from kernels.decode_gluon import kernel_options
     assert kernel_parts("gluon-tma+fold-max+zq-ahead") == ("gluon-tma", ("fold-max", "zq-ahead"))
     assert kernel_options("gluon-tma+fold-max+zq-ahead") == kernel_options("gluon-tma+zq-ahead+fold-max") == dict(
-        use_tma=True, i8=0, zq_ahead=True, fold_max=True, q_rows=False, lazy_rescale=False)
-    assert kernel_options("gluon") == dict(use_tma=False, i8=0, zq_ahead=False, fold_max=False, q_rows=False,
-                                           lazy_rescale=False)
-    assert kernel_options("gluon+q-rows")["q_rows"] and kernel_options("gluon-tma-i8k+lazy-rescale")["lazy_rescale"]
+        use_tma=True, i8=0, zq_ahead=True, fold_max=True, q_rows=False)
+    assert kernel_options("gluon") == dict(use_tma=False, i8=0, zq_ahead=False, fold_max=False, q_rows=False)
+    assert kernel_options("gluon+q-rows")["q_rows"]
     assert kernel_options("gluon-tma-i8+zq-ahead")["i8"] == 2 and is_gluon("gluon-tma-i8+zq-ahead")
     assert not is_gluon("triton") and not is_gluon("auto")
     for name in KERNELS:
@@ -702,7 +701,7 @@ def test_kernel_names_add_experiments_and_bad_names_are_refused():
     q = torch.randn(1, 2, 64, device=DEVICE)
     for bad in ("cuda", "triton+zq-ahead", "auto+zq-ahead", "gluon-tma+zq", "gluon-tma+", "gluon-tma+zero-heads",
                 "gluon+zq-ahead+zq-ahead", "gluon-tma+fold-max", "gluon-tma-i8k+zq-ahead+fold-max",
-                "gluon-tma-i8k+q-rows", "gluon-tma-i8+lazy-rescale", None):
+                "gluon-tma-i8k+q-rows", None):
         with pytest.raises(ValueError, match="decode kernel"):
             check_kernel(bad)
         if isinstance(bad, str):
