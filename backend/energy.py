@@ -94,13 +94,15 @@ def measure(method: str, batch: int, length: int, kernels: tuple[str, ...] = ())
     target = torch.empty_like(source)
     row("copy", lambda: target.copy_(source), 2 * pages)
     del source, target
-    def half(name, half, kernel):
+
+    def half(name, part, kernel):
+        """Row `name`: part ("copies", "arithmetic" or "whole") of `kernel`'s paged launch (bench.paged_half)."""
         from kernels.decode_gluon import kernel_options
         if not (is_gluon(kernel) and kernel_options(kernel)["use_tma"]):
             print(f"{name:>10}: skipped, {kernel} is not a Gluon kernel with TMA copies (a Hopper GPU's)", flush=True)
             return
         splits = split_count(q, kv, kernel, GLUON_MAXNREG)         # as decode_launches resolves them
-        row(name, paged_half(q, kv, splits, gluon_maxnreg(q, kv, splits, kernel), half, kernel=kernel), pages)
+        row(name, paged_half(q, kv, splits, gluon_maxnreg(q, kv, splits, kernel), part, kernel=kernel), pages)
 
     kernel = choose_kernel(q, kv)
     for name in ("copies", "arithmetic", "whole"):

@@ -606,20 +606,21 @@ GLUON_MAXNREG_FEW = 192
 # on a device whose memory reads at least ROWS_MIN_GBS: on an H100 SXM (3,352 GB/s) q-rows was slower, kitty-pro at
 # 64 / 32K 466.4-467.6 us a call with it against 458.2-459.3 without (FOLDED_KERNEL and the plain kernel, two runs;
 # BENCHMARKS.md section 1, session 45), where the launch waits on its copies (428 of its 456 us) more than on power.
-# Deleted after measuring (BENCHMARKS.md section 1, session 45): "lazy-rescale" (commit 920898c holds it), the running
-# sums rescaled only on pages that raise some head's maximum (1,147 instructions a kitty-pro page on the pages that
-# skip it against 1,176): on an H100 its arithmetic alone took 306.4 against 314.6 us at 64 / 32K, but at 539 against
-# 529 W, the same energy (127.8 against 128.0 mJ a call), and its power-capped paged launch and call were no faster
-# (478.7 and 489.0 against 477.2 and 488.6 us). Deleted after measuring (session 44):
-# - "two-rows" (commit 3b1405b holds it), the sums of p and of p * zero from a first operand with the zeros in row 0
-#   and ones in row 8 and zeros elsewhere instead of 8 copies of each, for the matrix unit's power: on the H200 equal
-#   (388.3 and 389.4 against 388.0, 388.6 and 391.6 us a call at 64 / 32K) and its arithmetic alone drew 378 W
-#   against 380, within the readings' spread;
-# - "pairs" (commit 97aa8f3), two token quarters a score tile, the second's scores shuffled into the first's padding
-#   heads' columns (8 fewer instructions and 4 fewer products a kitty-pro page, sm_90): on an H100 the call was 7.6 us
-#   slower at 64 / 32K and its arithmetic alone took longer (315.8 against 314.0 us) at more power (449 against 429
-#   W): the shuffles and the shared-memory round trip lengthen each warp's page, and 3 warps a scheduler do not hide
-#   that.
+# Deleted after measuring (BENCHMARKS.md section 1, sessions 44 and 45):
+# - "lazy-rescale" (session 45; commit 920898c holds it), the running sums rescaled only on pages that raise some
+#   head's maximum (1,147 instructions a kitty-pro page on the pages that skip it against 1,176): on an H100 its
+#   arithmetic alone took 306.4 against 314.6 us at 64 / 32K, but at 539 against 529 W, the same energy (127.8
+#   against 128.0 mJ a call), and its power-capped paged launch and call were no faster (478.7 and 489.0 against
+#   477.2 and 488.6 us);
+# - "two-rows" (session 44; commit 3b1405b holds it), the sums of p and of p * zero from a first operand with the
+#   zeros in row 0 and ones in row 8 and zeros elsewhere instead of 8 copies of each, for the matrix unit's power: on
+#   the H200 equal (388.3 and 389.4 against 388.0, 388.6 and 391.6 us a call at 64 / 32K) and its arithmetic alone
+#   drew 378 W against 380, within the readings' spread;
+# - "pairs" (session 44; commit 97aa8f3), two token quarters a score tile, the second's scores shuffled into the
+#   first's padding heads' columns (8 fewer instructions and 4 fewer products a kitty-pro page, sm_90): on an H100
+#   the call was 7.6 us slower at 64 / 32K and its arithmetic alone took longer (315.8 against 314.0 us) at more
+#   power (449 against 429 W): the shuffles and the shared-memory round trip lengthen each warp's page, and 3 warps a
+#   scheduler do not hide that.
 GLUON_KERNELS = ("gluon", "gluon-tma", "gluon-tma-i8k", "gluon-tma-i8")
 GLUON_EXPERIMENTS = ("zq-ahead", "fold-max", "q-rows")
 FOLDED_KERNEL = "gluon-tma+zq-ahead+fold-max"

@@ -578,11 +578,11 @@ def _value_products(vbufs, s0, s1, s2, s3, m_i, sums, acc0, acc1, acc2, acc3, D:
     (2-bit values, pages of 128): the value products in 8-bit integers, p * scale rounded to s8 with one scale per
     head a page (_i8_value_scale), summed from I8_MAGIC a page. With fp16 products, acc3 sums the whole bytes'
     products (QUARTER_ASM), which are linear in the page sums like the others: the kernel takes the other quarters
-    off once, at its end (_quarter3_sums). fold_zq (FOLD_MAX,
-    an experiment): s0 .. s3 are the key products' unweighted sums (_key_scores' FOLD), fold_zq the page's zero
-    terms (log2 units) and scale qk_scale / Q_SCALE: the page's maximum is taken from each quarter's sums' maximum
-    over the rows a thread holds, times its weight (the weights are positive), and each score's weight and the zero
-    term less the running max go into the exponent's one multiply-add (_folded_max)."""
+    off once, at its end (_quarter3_sums). fold_zq (FOLD_MAX, an experiment): s0 .. s3 are the key products'
+    unweighted sums (_key_scores' FOLD), fold_zq the page's zero terms (log2 units) and scale qk_scale / Q_SCALE:
+    the page's maximum is taken from each quarter's sums' maximum over the rows a thread holds, times its weight
+    (the weights are positive), and each score's weight and the zero term less the running max go into the
+    exponent's one multiply-add (_folded_max)."""
     G4: gl.constexpr = G // 4
     D4: gl.constexpr = D // 4
     mma: gl.constexpr = _mma()
