@@ -63,8 +63,8 @@ import triton.testing
 # on a CPU: Triton interpreted
 from kernels.decode_attention import (FOLDED_KERNEL, GLUON_MAXNREG, GLUON_MAXNREG_FEW, KERNELS, MAXNREG,
                                       ROWS_KERNEL, DecodeWorkspace, check_kernel, choose_kernel, decode_attention,
-                                      decode_launches, default_splits, gluon_maxnreg, is_gluon, multiprocessors,
-                                      resident_programs, split_count)
+                                      decode_launches, default_splits, device_memory_gbs, gluon_maxnreg, is_gluon,
+                                      multiprocessors, resident_programs, split_count)
 from kernels.decode_rest import KEY_READS, TIMES_ROW, rest_blocks, rest_parts
 from kernels.layout import key_page_bytes, value_page_bytes
 
@@ -151,6 +151,7 @@ def environment(program: str = "python -m backend.bench") -> dict:
             "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__,
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "memory_gbs": device_memory_gbs(torch.device("cuda")) if gpu else None, **gpu_power_limits(),
             "command": " ".join([program, *sys.argv[1:]]),
             "sources": {name: git_blob_id(root / name) for name in MEASURED_SOURCES}}
 
@@ -459,6 +460,35 @@ def tune_range(setting: dict) -> str:
 
 
 CLOCK_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+POWER_LIMITS = ("power.limit", "enforced.power.limit", "power.max_limit")
+
+
+def smi_index() -> str:
+    """nvidia-smi's index of the GPU this process uses (the first visible one)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES", str(torch.cuda.current_device())).split(",")[0]
+
+
+def gpu_power_limits() -> dict[str, float]:
+    """The GPU's power limits in W (nvidia-smi's POWER_LIMITS, as {"power_limit_w", ...}): machines of one kind
+    have differed in how fast they run the power-capped decode launch (BENCHMARKS.md section 1, session 44), whose
+    time is about its energy over the power the cap leaves, so each result names its cap. Empty without a GPU."""
+    if not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        return {}
+    answer = subprocess.run(["nvidia-smi", "-i", smi_index(), f"--query-gpu={','.join(POWER_LIMITS)}",
+                             "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+    return parse_power_limits(answer)
+
+
+def parse_power_limits(answer: str) -> dict[str, float]:
+    """nvidia-smi's "limit, enforced limit, max limit" line -> {"power_limit_w": ..., ...}, leaving out the values
+    it could not read ("[N/A]")."""
+    limits = {}
+    for name, value in zip(POWER_LIMITS, answer.strip().split(",")):
+        try:
+            limits[name.replace(".", "_") + "_w"] = float(value)
+        except ValueError:
+            continue
+    return limits
 
 
 def gpu_clocks(fn, device: str, seconds: float = 1.5) -> dict[str, float]:
@@ -470,8 +500,7 @@ def gpu_clocks(fn, device: str, seconds: float = 1.5) -> dict[str, float]:
     the launches, are dropped."""
     if device != "cuda" or shutil.which("nvidia-smi") is None:
         return {}
-    index = os.environ.get("CUDA_VISIBLE_DEVICES", str(torch.cuda.current_device())).split(",")[0]
-    sampler = subprocess.Popen(["nvidia-smi", "-i", index, f"--query-gpu=timestamp,{CLOCK_QUERY}",
+    sampler = subprocess.Popen(["nvidia-smi", "-i", smi_index(), f"--query-gpu=timestamp,{CLOCK_QUERY}",
                                 "--format=csv,noheader,nounits", "-lms", "10"], stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
     try:

@@ -489,6 +489,22 @@ def test_clock_samples_become_their_medians():
     assert not _sampled_between("2026/12/04 20:51:02.990", start, stop) and not _sampled_between("[N/A]", start, stop)
 
 
+def test_results_name_the_gpus_power_limits():
+    """Each result's env names the GPU's power limits and memory bandwidth (machines of one kind run the
+    power-capped launch at different speeds): nvidia-smi's line parsed, unreadable values left out; none on a
+    CPU."""
+    import torch
+
+    from backend.bench import environment, parse_power_limits
+    assert parse_power_limits("700.00, 620.00, 700.00\n") == {"power_limit_w": 700.0, "enforced_power_limit_w": 620.0,
+                                                              "power_max_limit_w": 700.0}
+    assert parse_power_limits("[N/A], 700.00, [N/A]") == {"enforced_power_limit_w": 700.0}
+    assert parse_power_limits("") == {}
+    env = environment()
+    if not torch.cuda.is_available():
+        assert env["memory_gbs"] is None and "power_limit_w" not in env
+
+
 def test_local_spikes_compare_a_boundary_step_with_the_steps_around_it():
     """The page-boundary bar's measure: a boundary step over the median of the ordinary steps near it, so that a
     step time growing with the context is no spike, and the first two steps (eager, graph capture) count for
