@@ -501,7 +501,10 @@ def test_results_name_the_gpus_power_limits():
     assert parse_power_limits("[N/A], 700.00, [N/A]") == {"enforced_power_limit_w": 700.0}
     assert parse_power_limits("") == {}
     env = environment()
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        assert env["memory_gbs"] is None or env["memory_gbs"] > 0
+        assert all(watts > 0 for name, watts in env.items() if name.endswith("limit_w"))
+    else:
         assert env["memory_gbs"] is None and "power_limit_w" not in env
 
 
