@@ -3,6 +3,7 @@
     TRITON_INTERPRET=0 python -m kernels.sass_profile [--method kitty-pro ...] [--dtype bf16] [--group 4] [--arch 90]
                                                       [--kernel triton|gluon|rest] [--warps N] [--maxnreg N]
                                                       [--rest-blocks N] [--rest-keys K] [--opcodes] [--blocks]
+                                                      [--listing]
 
 Prints registers per thread, spill stack, shared memory and the kernel's instructions by class, for the whole
 kernel and for the body of its loop over paged blocks ("loop ...": what one page costs a warp) (matrix,
@@ -192,7 +193,9 @@ def profile(compiled) -> dict:
     row.update({f"loop {name}": sum(loop[op] for op in ops) for name, ops in CLASSES.items()})
     row["loop integer matrix"] = loop["IMMA"]          # of "loop matrix": the 8-bit products (gluon-tma-i8k / i8)
     row["loop opcodes"] = dict(loop.most_common())       # every opcode of a page, the most frequent first
-    row["loop blocks"] = _basic_blocks((_loop_bodies(sass.splitlines()) or [[]])[0])
+    body = (_loop_bodies(sass.splitlines()) or [[]])[0]
+    row["loop blocks"] = _basic_blocks(body)
+    row["loop listing"] = [_instruction_text(line) for line in body if INSTRUCTION.match(line)]
     return row
 
 
@@ -224,6 +227,11 @@ def _basic_blocks(lines: list[str]) -> list[tuple[str, int, str]]:
     if count:
         blocks.append((start, count, " ".join(jumps)))
     return blocks
+
+
+def _instruction_text(line: str) -> str:
+    """An nvdisasm line with its runs of spaces made one: `/*39f0*/ HMMA.16816.F32 R60, R60, R76, RZ ;`."""
+    return " ".join(line.split())
 
 
 def _address(line: str) -> str:
@@ -291,6 +299,9 @@ def main(argv=None) -> int:
                         help="also print the loop's basic blocks with their instructions and branch targets (which "
                              "kind of block or page takes which path: the rest kernel's key pages, 16-bit rows and "
                              "value pages are branches of one loop)")
+    parser.add_argument("--listing", action="store_true",
+                        help="also print the loop's SASS, an instruction a line (where a product's operands come "
+                             "from: the moves and constants that fill its register quads)")
     parser.add_argument("--maxnreg", type=int,
                         help="register cap per thread (default: decode_attention's MAXNREG for the Triton kernel, "
                              "the compiler's choice for the Gluon and rest kernels; 255: the compiler's choice)")
@@ -318,13 +329,15 @@ def main(argv=None) -> int:
             compiled = compile_split_kernel(method, dtype, args.group, arch=args.arch, num_warps=args.warps,
                                             num_stages=args.stages, maxnreg=args.maxnreg)
         row = profile(compiled)
-        opcodes, blocks = row.pop("loop opcodes"), row.pop("loop blocks")
+        opcodes, blocks, listing = row.pop("loop opcodes"), row.pop("loop blocks"), row.pop("loop listing")
         print(f"{method:>10}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
         if args.opcodes:
             print(f"{'':>10}  loop opcodes: " + ", ".join(f"{op} {n}" for op, n in opcodes.items()), flush=True)
         if args.blocks:
             print(f"{'':>10}  loop blocks: " + ", ".join(f"{start} {n}" + (f" -> {jumps}" if jumps else "")
                                                         for start, n, jumps in blocks), flush=True)
+        if args.listing:
+            print("\n".join(f"{'':>12}{line}" for line in listing), flush=True)
     return 0
 
 

@@ -3,6 +3,7 @@ packing bit for bit, dequantization and attention within float tolerance; head_d
 odd lengths, batches of different lengths."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -1310,19 +1311,24 @@ def test_gather_kv_puts_every_token_in_order():
 def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     """`python -m kernels.sass_profile` compiles the real kernel for sm_90 and reads its SASS: the counts are
     those of a working kernel (matrix instructions, registers within the 255 limit) and of its loop over paged
-    blocks, which holds its products, with --opcodes every opcode of that loop and with --blocks its basic blocks
-    (address, instructions, branch targets: a loop of them, back to its first); interpreted mode is refused."""
+    blocks, which holds its products, with --opcodes every opcode of that loop, with --blocks its basic blocks
+    (address, instructions, branch targets: a loop of them, back to its first) and with --listing its instructions,
+    one a line, from the loop's first address to its branch back; interpreted mode is refused."""
     cmd = [sys.executable, "-m", "kernels.sass_profile", "--method", "kivi-k2v2", "--dtype", "fp16"]
-    run = subprocess.run(cmd + ["--opcodes", "--blocks"], capture_output=True, text=True,
+    run = subprocess.run(cmd + ["--opcodes", "--blocks", "--listing"], capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    row, opcodes, blocks = run.stdout.splitlines()
+    row, opcodes, blocks, *listing = run.stdout.splitlines()
     counts = {k: int(v) for k, v in re.findall(r"([a-z][a-z .\-/]*?) (\d+)", row.split(":", 1)[1])}
     loop = {op: int(n) for op, n in re.findall(r"([A-Z][A-Z0-9_]*) (\d+)", opcodes.split(":", 1)[1])}
     assert sum(loop.values()) == counts["loop instructions"] and loop["HMMA"] == counts["loop matrix"], run.stdout
     pieces = re.findall(r"(0x[0-9a-f]+) (\d+)(?: -> ([?0-9a-fx ]+))?", blocks.split(":", 1)[1])
     assert sum(int(n) for _, n, _ in pieces) == counts["loop instructions"], run.stdout
     assert pieces[-1][2].split()[-1] == "?" + pieces[0][0], run.stdout           # the branch back to the loop's top
+    listed = collections.Counter(re.match(r"\s*/\*[0-9a-f]+\*/ (?:@!?U?P\w+ )?([A-Z][A-Z0-9_]*)", line).group(1)
+                                 for line in listing)
+    assert listed == loop, run.stdout                                      # every instruction of the loop, once
+    assert listing[0].split()[0] == f"/*{pieces[0][0][2:]}*/" and "BRA" in listing[-1], listing[:1] + listing[-1:]
     assert 0 < counts["registers"] <= 255 and counts["matrix"] > 0 and counts["instructions"] > 100, run.stdout
     # the loop over paged blocks: part of the kernel, with its matrix products and pipelined page loads
     assert 100 < counts["loop instructions"] < counts["instructions"], run.stdout
