@@ -1325,8 +1325,8 @@ def test_sass_profile_compiles_the_decode_kernel_for_hopper_without_a_gpu():
     pieces = re.findall(r"(0x[0-9a-f]+) (\d+)(?: -> ([?0-9a-fx ]+))?", blocks.split(":", 1)[1])
     assert sum(int(n) for _, n, _ in pieces) == counts["loop instructions"], run.stdout
     assert pieces[-1][2].split()[-1] == "?" + pieces[0][0], run.stdout           # the branch back to the loop's top
-    listed = collections.Counter(re.match(r"\s*/\*[0-9a-f]+\*/ (?:@!?U?P\w+ )?([A-Z][A-Z0-9_]*)", line).group(1)
-                                 for line in listing)
+    from kernels.sass_profile import INSTRUCTION
+    listed = collections.Counter(INSTRUCTION.match(line).group(1) for line in listing)
     assert listed == loop, run.stdout                                      # every instruction of the loop, once
     assert listing[0].split()[0] == f"/*{pieces[0][0][2:]}*/" and "BRA" in listing[-1], listing[:1] + listing[-1:]
     assert 0 < counts["registers"] <= 255 and counts["matrix"] > 0 and counts["instructions"] > 100, run.stdout
