@@ -459,7 +459,12 @@ def tune_range(setting: dict) -> str:
     return f"{setting['kernel']}.{setting['loads'] or 'whole'}.{setting['maxnreg']}"
 
 
-CLOCK_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+# nvidia-smi's fields sampled while a row's launches run, and the row's names for them. The temperatures are there
+# because at a power cap a hotter chip leaks more of the power the cap allows, so the same launch runs at a lower
+# clock on a hotter machine (H200s of one kind differed by 2-5 % in session 44: BENCHMARKS.md section 1).
+CLOCK_FIELDS = {"clocks.sm": "sm_mhz", "power.draw": "power_w", "clocks_event_reasons.active": "clock_reasons",
+                "temperature.gpu": "gpu_c", "temperature.memory": "memory_c"}
+CLOCK_QUERY = ",".join(CLOCK_FIELDS)
 POWER_LIMITS = ("power.limit", "enforced.power.limit", "power.max_limit")
 
 
@@ -492,10 +497,10 @@ def parse_power_limits(answer: str) -> dict[str, float]:
 
 
 def gpu_clocks(fn, device: str, seconds: float = 1.5) -> dict[str, float]:
-    """The GPU's multiprocessor clock and power draw while fn's launches run back to back for `seconds`, and why its
-    clock is held down: the medians of nvidia-smi's samples every 10 ms and their most frequent clock event reasons
-    ({"sm_mhz", "power_w", "clock_reasons"}: a bit mask, 0x4 the power cap, 0x20 / 0x40 thermal slowdowns, 0x80 the
-    power brake); empty on a CPU or without nvidia-smi. Whether a kernel runs at a lower clock than another is a
+    """The GPU's multiprocessor clock, power draw and temperatures while fn's launches run back to back for
+    `seconds`, and why its clock is held down: the medians of nvidia-smi's samples every 10 ms and their most frequent
+    clock event reasons ({"sm_mhz", "power_w", "gpu_c", "memory_c", "clock_reasons"}: a bit mask, 0x4 the power cap,
+    0x20 / 0x40 thermal slowdowns, 0x80 the power brake); empty on a CPU or without nvidia-smi. Whether a kernel runs at a lower clock than another is a
     reason for its time that no profile of its instructions shows. The samples of the sampler's first 0.2 s, before
     the launches, are dropped."""
     if device != "cuda" or shutil.which("nvidia-smi") is None:
@@ -528,19 +533,22 @@ def _sampled_between(stamp: str, start: datetime, stop: datetime) -> bool:
 
 
 def median_clocks(samples: str) -> dict[str, float]:
-    """nvidia-smi's "clock, power, reasons" lines -> the medians of the first two and the most frequent reasons
-    mask {"sm_mhz", "power_w", "clock_reasons"}, from the lines it could read (not "[N/A]"); empty without one."""
-    rows = []
+    """nvidia-smi's lines of CLOCK_FIELDS -> each field's median under its name ({"sm_mhz", "power_w", "gpu_c",
+    "memory_c"}) and the most frequent reasons mask ("clock_reasons"), each from the values it could read (a field
+    nvidia-smi answers "[N/A]" for, as some GPUs do for their memory's temperature, is left out); empty without
+    one."""
+    values = {name: [] for name in CLOCK_FIELDS.values()}
     for line in samples.splitlines():
-        try:
-            mhz, watts, reasons = line.split(",")
-            rows.append((float(mhz), float(watts), int(reasons, 16)))
-        except ValueError:
+        fields = line.split(",")
+        if len(fields) != len(values):
             continue
-    if not rows:
-        return {}
-    return {"sm_mhz": statistics.median(r[0] for r in rows), "power_w": statistics.median(r[1] for r in rows),
-            "clock_reasons": statistics.mode(r[2] for r in rows)}
+        for name, field in zip(values, fields):
+            try:
+                values[name].append(int(field, 16) if name == "clock_reasons" else float(field))
+            except ValueError:
+                continue
+    return {name: statistics.mode(read) if name == "clock_reasons" else statistics.median(read)
+            for name, read in values.items() if read}
 
 
 @contextlib.contextmanager

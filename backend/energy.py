@@ -6,8 +6,8 @@ Why: on the H200 the kitty-pro call at batch 64 / 32K runs at the software power
 sessions 33 and 44), so its time is its energy over the power the cap leaves: T = E / (P_cap - P_idle), roughly.
 What a change can buy is then a share of E, and this says how E splits. Each row is one launch (or call), timed as
 the bench times it (median of CUDA-graph replays, bench.median_seconds) and then replayed back to back from a CUDA
-graph for a few seconds while nvidia-smi samples the GPU's power and clock (bench.gpu_clocks); its energy a call is
-(power - idle power) x time, in mJ, and per byte it must read, in pJ:
+graph for a few seconds while nvidia-smi samples the GPU's power, clock and temperatures (bench.gpu_clocks); its
+energy a call is (power - idle power) x time, in mJ, and per byte it must read, in pJ:
   - idle: the GPU with nothing launched (the baseline of every other row);
   - sdpa: torch SDPA over FP16 K/V of the same shape (the bar's baseline, a streaming read);
   - copy: a device-to-device copy of as many bytes as the pages (read + write, counted as both);
@@ -139,9 +139,10 @@ def main(argv=None) -> int:
         print("backend.energy measures a GPU's power: no GPU here", file=sys.stderr)
         return 2
     rows = energy(measure(args.method, args.batch, args.length, tuple(args.kernels)))
-    print(f"{'row':>24} {'us':>9} {'W':>6} {'MHz':>6} {'mJ a call':>10} {'pJ / byte':>10}")
+    print(f"{'row':>24} {'us':>9} {'W':>6} {'MHz':>6} {'GPU C':>6} {'HBM C':>6} {'mJ a call':>10} {'pJ / byte':>10}")
     for name, row in rows.items():
         print(f"{name:>24} {row.get('us', 0):9.1f} {row.get('power_w', 0):6.0f} {row.get('sm_mhz', 0):6.0f} "
+              f"{row.get('gpu_c', 0):6.0f} {row.get('memory_c', 0):6.0f} "
               f"{row.get('mj', 0):10.1f} {row.get('pj_per_byte', 0):10.1f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -473,16 +473,20 @@ def test_launches_in_a_row_give_their_spans_and_gaps():
 
 
 def test_clock_samples_become_their_medians():
-    """bench tune's clock and power per setting (gpu_clocks): the medians of nvidia-smi's samples and their most
-    frequent clock event reasons, skipping the samples it could not read; nothing without a sample (on a CPU the
-    rows have no clocks). A sample counts only between the launches' first and last (its timestamp)."""
+    """bench tune's clock, power and temperatures per setting (gpu_clocks): the medians of nvidia-smi's samples and
+    their most frequent clock event reasons, each field from the samples that could read it (a line of another shape
+    is skipped); nothing without a sample (on a CPU the rows have no clocks). A sample counts only between the
+    launches' first and last (its timestamp)."""
     from datetime import datetime
 
     from backend.bench import _sampled_between, gpu_clocks, median_clocks
-    samples = ("1980, 650.5, 0x0000000000000000\n1755, 699.9, 0x0000000000000004\n[N/A], [N/A], [N/A]\n"
-               "1700, 700.1, 0x0000000000000004\n\n")
-    assert median_clocks(samples) == {"sm_mhz": 1755.0, "power_w": 699.9, "clock_reasons": 4}
-    assert median_clocks("[N/A], [N/A], [N/A]\n") == {}
+    samples = ("1980, 650.5, 0x0000000000000000, 41, 50\n1755, 699.9, 0x0000000000000004, 47, 55\n"
+               "[N/A], [N/A], [N/A], [N/A], [N/A]\n1700, 700.1, 0x0000000000000004, 49, [N/A]\n1650, 700\n\n")
+    assert median_clocks(samples) == {"sm_mhz": 1755.0, "power_w": 699.9, "clock_reasons": 4, "gpu_c": 47.0,
+                                      "memory_c": 52.5}
+    assert median_clocks("1980, 650.5, 0x0, [N/A], [N/A]\n") == {"sm_mhz": 1980.0, "power_w": 650.5,
+                                                                  "clock_reasons": 0}
+    assert median_clocks("[N/A], [N/A], [N/A], [N/A], [N/A]\n") == {}
     assert gpu_clocks(lambda: None, "cpu") == {}
     start, stop = datetime(2026, 12, 4, 20, 51, 3), datetime(2026, 12, 4, 20, 51, 5)
     assert _sampled_between("2026/12/04 20:51:04.250", start, stop)
