@@ -498,11 +498,11 @@ def parse_power_limits(answer: str) -> dict[str, float]:
 
 def gpu_clocks(fn, device: str, seconds: float = 1.5) -> dict[str, float]:
     """The GPU's multiprocessor clock, power draw and temperatures while fn's launches run back to back for
-    `seconds`, and why its clock is held down: the medians of nvidia-smi's samples every 10 ms and their most frequent
-    clock event reasons ({"sm_mhz", "power_w", "gpu_c", "memory_c", "clock_reasons"}: a bit mask, 0x4 the power cap,
-    0x20 / 0x40 thermal slowdowns, 0x80 the power brake); empty on a CPU or without nvidia-smi. Whether a kernel runs at a lower clock than another is a
-    reason for its time that no profile of its instructions shows. The samples of the sampler's first 0.2 s, before
-    the launches, are dropped."""
+    `seconds`, and why its clock is held down: the medians of nvidia-smi's samples every 10 ms ({"sm_mhz", "power_w",
+    "gpu_c", "memory_c"}) and their most frequent clock event reasons ("clock_reasons", a bit mask: 0x4 the power
+    cap, 0x20 / 0x40 thermal slowdowns, 0x80 the power brake); empty on a CPU or without nvidia-smi. Whether a kernel
+    runs at a lower clock than another is a reason for its time that no profile of its instructions shows. The
+    samples of the sampler's first 0.2 s, before the launches, are dropped."""
     if device != "cuda" or shutil.which("nvidia-smi") is None:
         return {}
     sampler = subprocess.Popen(["nvidia-smi", "-i", smi_index(), f"--query-gpu=timestamp,{CLOCK_QUERY}",
